@@ -1,0 +1,83 @@
+"""The Code Predictor ("sub-talker"): codes 1..15 of a frame from the Talker's hidden state and code 0.
+
+One frame is 15 dependent forwards over at most 16 positions with a KV cache that lives for that frame only:
+forward 1 sees [P(h), P(E0(c0))] and predicts c1 with lm_head[0]; forward g (2..15) sees P(Ecp[g-2](c_{g-1}))
+at position g and predicts c_g with lm_head[g-1]. P is small_to_mtp_projection (identity for 0.6B).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from engine.model.config import TalkerConfig
+from engine.model.layers import AttentionBatch, DecoderStack, KVCache
+
+
+class CodePredictorStack(DecoderStack):
+    def __init__(self, talker: TalkerConfig):
+        super().__init__(talker.code_predictor)
+        groups = talker.num_code_groups - 1
+        # Input tables live in the Talker's width: the Talker also sums them into its next input.
+        self.codec_embedding = nn.ModuleList(
+            nn.Embedding(talker.code_predictor.vocab_size, talker.stack.hidden_size) for _ in range(groups))
+
+
+class CodePredictor(nn.Module):
+    def __init__(self, talker: TalkerConfig):
+        super().__init__()
+        cfg = talker.code_predictor
+        self.cfg = cfg
+        self.groups = talker.num_code_groups - 1
+        self.model = CodePredictorStack(talker)
+        self.lm_head = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) for _ in range(self.groups))
+        if talker.stack.hidden_size != cfg.hidden_size:
+            self.small_to_mtp_projection = nn.Linear(talker.stack.hidden_size, cfg.hidden_size, bias=True)
+        else:
+            self.small_to_mtp_projection = nn.Identity()
+
+    @property
+    def positions(self) -> int:
+        return self.groups + 1
+
+    def new_cache(self, batch: int, device, dtype) -> KVCache:
+        return KVCache.allocate(self.cfg, batch, self.positions, device, dtype)
+
+    def run_frame(self, hidden: Tensor, code0_embedding: Tensor, choose: Callable[[int, Tensor], Tensor],
+                  cache: KVCache | None = None, forced: Tensor | None = None,
+                  keep_logits: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Codes 1..15 for a batch of frames.
+
+        hidden [B, H_talker]: Talker output (after its final norm) that produced code 0;
+        code0_embedding [B, H_talker]: E0(code 0);
+        choose(group, logits [B, V] float32) -> codes [B] int64, group = 1..15;
+        forced [B, 15] (teacher forcing, tests): feed these codes instead of the chosen ones.
+        Returns codes [B, 15] int64 and, with keep_logits, logits [B, 15, V] float32.
+        """
+        B = hidden.shape[0]
+        device, dtype = hidden.device, hidden.dtype
+        cache = cache if cache is not None else self.new_cache(B, device, dtype)
+        rows = torch.arange(B, device=device)
+        x = self.small_to_mtp_projection(torch.stack((hidden, code0_embedding), dim=1))  # [B, 2, H_cp]
+        positions = torch.arange(2, device=device).expand(B, 2)
+        codes, logits_seen = [], []
+        for group in range(1, self.groups + 1):
+            batch = AttentionBatch.build(self.cfg, rows, positions, self.positions, dtype)
+            h = self.model.run(x, batch, cache)[:, -1]  # [B, H_cp]
+            logits = self.lm_head[group - 1](h).float()  # [B, V]
+            code = choose(group, logits)
+            if forced is not None:
+                code = forced[:, group - 1]
+            codes.append(code)
+            if keep_logits:
+                logits_seen.append(logits)
+            if group < self.groups:
+                x = self.small_to_mtp_projection(self.model.codec_embedding[group - 1](code))[:, None]  # [B, 1, H_cp]
+                positions = torch.full((B, 1), group + 1, device=device, dtype=torch.int64)
+        return torch.stack(codes, dim=1), (torch.stack(logits_seen, dim=1) if keep_logits else None)
+
+    def code_embeddings(self, codes: Tensor) -> list[Tensor]:
+        """The 15 input-table rows of codes [B, 15], each [B, H_talker]."""
+        return [self.model.codec_embedding[g](codes[:, g]) for g in range(self.groups)]

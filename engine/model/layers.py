@@ -1,0 +1,168 @@
+"""Building blocks shared by the Talker and the Code Predictor: Qwen3-style pre-norm decoder layers.
+
+Numerics follow the official package so random-weight parity holds in fp32 and bf16: RMSNorm normalises in
+fp32 and casts back before the weight multiply; q/k get a per-head RMSNorm before RoPE; RoPE cos/sin are
+computed in fp32 and rounded to the activation dtype; softmax runs in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.model.config import DecoderStackConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin tables for NeoX-style RoPE at the given positions: [...] -> [..., head_dim] each."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)  # [head_dim / 2], fp32
+    freqs = positions.float()[..., None] * inv_freq  # [..., head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, T, D]; cos, sin [B, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer for a set of cache rows ("slots"), preallocated at a fixed length."""
+
+    k: Tensor  # [layers, slots, kv_heads, max_len, head_dim]
+    v: Tensor  # [layers, slots, kv_heads, max_len, head_dim]
+
+    @classmethod
+    def allocate(cls, cfg: DecoderStackConfig, slots: int, max_len: int, device, dtype) -> KVCache:
+        shape = (cfg.num_layers, slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass
+class AttentionBatch:
+    """What one forward of a decoder stack attends to and where it writes its keys and values."""
+
+    slots: Tensor  # [B] int64, cache rows of the batch rows
+    positions: Tensor  # [B, T] int64, absolute position of each new token (RoPE angle and cache column)
+    mask: Tensor  # [B, 1, T, S] bool, True where a new token may attend cache column s < S
+    cos: Tensor  # [B, T, head_dim], activation dtype
+    sin: Tensor  # [B, T, head_dim]
+
+    @classmethod
+    def build(cls, cfg: DecoderStackConfig, slots: Tensor, positions: Tensor, kv_len: int, dtype,
+              valid_len: Tensor | None = None) -> AttentionBatch:
+        """Causal attention over cache columns [0, kv_len). valid_len [B] (optional) hides columns a row never
+        wrote (right padding of a batched prefill)."""
+        cols = torch.arange(kv_len, device=positions.device)
+        mask = cols[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        if valid_len is not None:
+            mask = mask & (cols[None, None, :] < valid_len[:, None, None])
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
+        return cls(slots=slots, positions=positions, mask=mask[:, None], cos=cos, sin=sin)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderStackConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, batch: AttentionBatch, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """x [B, T, hidden]; k_cache, v_cache [slots, kv_heads, max_len, head_dim] of this layer."""
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, batch.cos, batch.sin), apply_rope(k, batch.cos, batch.sin)  # [B, H, T, D]
+
+        rows = batch.slots[:, None]  # [B, 1] broadcast against positions [B, T]
+        k_cache[rows, :, batch.positions] = k.transpose(1, 2)
+        v_cache[rows, :, batch.positions] = v.transpose(1, 2)
+        S = batch.mask.shape[-1]
+        keys = k_cache[batch.slots, :, :S]  # [B, kv_heads, S, D]
+        values = v_cache[batch.slots, :, :S]
+        out = attention(q, keys, values, batch.mask)  # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Grouped-query attention with an fp32 softmax. q [B, H, T, D]; k, v [B, Hkv, S, D]; mask [B, 1, T, S]."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5  # [B, H, T, S]
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderStackConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, batch: AttentionBatch, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Layers plus the final norm. Subclasses add their embeddings under the checkpoint's names."""
+
+    def __init__(self, cfg: DecoderStackConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def run(self, x: Tensor, batch: AttentionBatch, cache: KVCache) -> Tensor:
+        """x [B, T, hidden] -> final-norm hidden states [B, T, hidden]."""
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, cache.k[i], cache.v[i])
+        return self.norm(x)

@@ -1,0 +1,151 @@
+"""Token choice on the accelerator: logits processors, top-k / top-p, and seeded sampling without host syncs.
+
+Randomness is counter-based: the uniform draw for (request seed, draw counter, vocabulary index) is a pure
+hash, so a request samples the same tokens whatever batch it runs in and whatever ran before it. Sampling is
+Gumbel-max over the filtered, temperature-scaled logits (equivalent to drawing from their softmax).
+Temperature 0 means greedy (argmax after the processors), as in PROTOCOL.md 1.6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_MASK32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # < 2**31, so a 32-bit value times it stays inside int64
+
+
+class SamplingError(ValueError):
+    """An invalid sampling setting; the message names the field and the allowed range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and length settings (host side). Defaults are generation_config.json's."""
+
+    temperature: float = 0.9  # Talker; 0 = greedy for the Talker and the Code Predictor
+    top_k: int = 50  # 0 = off
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05  # over earlier code-0 tokens of the segment
+    sub_temperature: float = 0.9  # Code Predictor
+    sub_top_k: int = 50
+    sub_top_p: float = 1.0
+    seed: int = 0
+    min_frames: int = 2  # EOS is masked for the first min_frames code-0 samples (official min_new_tokens)
+    max_frames: int = 2048  # complete frames a segment may return (official max_new_tokens - 1)
+
+    @classmethod
+    def from_generation_config(cls, gen: dict[str, Any]) -> SamplingParams:
+        """The checkpoint's generation_config.json defaults (do_sample false there means greedy)."""
+        mapping = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                   "repetition_penalty": "repetition_penalty", "subtalker_temperature": "sub_temperature",
+                   "subtalker_top_k": "sub_top_k", "subtalker_top_p": "sub_top_p"}
+        values = {ours: gen[theirs] for theirs, ours in mapping.items() if gen.get(theirs) is not None}
+        if gen.get("do_sample", True) is False:
+            values["temperature"] = 0.0
+        if gen.get("subtalker_dosample", True) is False or values.get("temperature") == 0.0:
+            values["sub_temperature"] = 0.0
+        return replace(cls(), **values)
+
+    def with_overrides(self, **kw: Any) -> SamplingParams:
+        known = {f.name for f in fields(self)}
+        unknown = set(kw) - known
+        if unknown:
+            raise SamplingError(f"unknown sampling field(s) {sorted(unknown)}; known: {sorted(known)}")
+        p = replace(self, **{k: v for k, v in kw.items() if v is not None})
+        if p.temperature == 0.0:
+            p = replace(p, sub_temperature=0.0)
+        p.validate()
+        return p
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        checks = [
+            ("temperature", 0.0 <= self.temperature <= 10.0, "0 (greedy) .. 10"),
+            ("top_k", 0 <= self.top_k <= 100000, "0 (off) .. vocabulary size"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "(0, 1]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "(0, 10]"),
+            ("subtalker.temperature", 0.0 <= self.sub_temperature <= 10.0, "0 (greedy) .. 10"),
+            ("subtalker.top_k", 0 <= self.sub_top_k <= 100000, "0 (off) .. vocabulary size"),
+            ("subtalker.top_p", 0.0 < self.sub_top_p <= 1.0, "(0, 1]"),
+            ("seed", 0 <= self.seed < 2**63, "0 .. 2**63-1"),
+            ("min_frames", 0 <= self.min_frames, ">= 0"),
+            ("max_frames", 1 <= self.max_frames, ">= 1"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise SamplingError(f"{name} = {getattr(self, name.split('.')[-1], '?')!r} is out of range; "
+                                    f"allowed: {allowed}")
+        if self.min_frames > self.max_frames:
+            raise SamplingError(f"min_frames {self.min_frames} > max_frames {self.max_frames}")
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """A 32-bit integer mixer on int64 tensors holding values in [0, 2**32)."""
+    x = (x ^ (x >> 16)) * _MIX & _MASK32
+    x = (x ^ (x >> 16)) * _MIX & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
+    """Uniform (0, 1) draws [B, vocab] that depend only on (seed[b], counter[b], column)."""
+    h = _hash32(seed & _MASK32)
+    h = _hash32(h ^ ((seed >> 32) & _MASK32))
+    h = _hash32(h ^ (counter & _MASK32))  # [B]
+    cols = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    bits = _hash32((h[:, None] + cols[None, :] * 0x9E3779B1) & _MASK32)  # [B, vocab]
+    return (bits.double() + 0.5).div_(2.0**32).float()
+
+
+@dataclass
+class SamplerRows:
+    """Per-row sampling settings of one batch, on the device."""
+
+    temperature: Tensor  # [B] float32, 0 = greedy
+    top_k: Tensor  # [B] int64, 0 = off
+    top_p: Tensor  # [B] float32
+    seed: Tensor  # [B] int64
+
+
+def choose(logits: Tensor, rows: SamplerRows, counter: Tensor) -> Tensor:
+    """Pick one token per row. logits [B, V] float32 (already processed); counter [B] int64 -> [B] int64."""
+    B, V = logits.shape
+    greedy = logits.argmax(dim=-1)
+    temp = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))
+    scores = logits / temp[:, None]
+    sorted_desc, _ = scores.sort(dim=-1, descending=True)  # [B, V]
+    k = torch.where(rows.top_k > 0, rows.top_k, torch.full_like(rows.top_k, V)).clamp(1, V)
+    kth = sorted_desc.gather(1, (k - 1)[:, None])  # [B, 1]
+    scores = scores.masked_fill(scores < kth, float("-inf"))
+    # top-p: keep a token while the probability mass ranked strictly above it is below top_p.
+    sorted_desc = sorted_desc.masked_fill(sorted_desc < kth, float("-inf"))
+    probs = torch.softmax(sorted_desc, dim=-1)
+    mass_above = torch.cumsum(probs, dim=-1) - probs  # [B, V]
+    cut = (mass_above < rows.top_p[:, None]) | (rows.top_p[:, None] >= 1.0)
+    last_kept = cut.sum(dim=-1, keepdim=True).clamp(min=1) - 1
+    threshold = sorted_desc.gather(1, last_kept)
+    scores = scores.masked_fill(scores < threshold, float("-inf"))
+    gumbel = -torch.log(-torch.log(uniform_noise(rows.seed, counter, V)))
+    sampled = (scores + gumbel).argmax(dim=-1)
+    return torch.where(rows.temperature > 0, sampled, greedy)
+
+
+def process_talker_logits(logits: Tensor, seen: Tensor, penalty: Tensor, allow_eos: Tensor,
+                          suppress: Tensor, eos_id: int) -> Tensor:
+    """The official processors in order: repetition penalty, min frames (EOS masked), code-0 suppression.
+
+    logits [B, V] float32; seen [B, V] bool (code-0 tokens generated earlier in the segment); penalty [B];
+    allow_eos [B] bool; suppress [V] bool (ids 2048.. except EOS)."""
+    p = penalty[:, None]
+    penalised = torch.where(logits < 0, logits * p, logits / p)
+    logits = torch.where(seen, penalised, logits)
+    eos_col = torch.zeros_like(suppress)
+    eos_col[eos_id] = True
+    blocked = suppress[None, :] | (eos_col[None, :] & ~allow_eos[:, None])
+    return logits.masked_fill(blocked, float("-inf"))

@@ -1,0 +1,71 @@
+"""The Talker: a 28-layer Qwen3-style decoder that predicts code 0 of every frame.
+
+Its input at a decode step is the sum of the 16 code embeddings of the frame just finished plus one text-track
+embedding; its prompt is built by engine.model.prompt. Module names mirror the checkpoint's tensor names
+(talker.model.layers.N..., talker.codec_head, talker.text_projection.linear_fc1, talker.code_predictor...).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.model.code_predictor import CodePredictor
+from engine.model.config import TalkerConfig
+from engine.model.layers import AttentionBatch, DecoderStack, KVCache
+
+
+class TalkerStack(DecoderStack):
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__(cfg.stack)
+        self.codec_embedding = nn.Embedding(cfg.stack.vocab_size, cfg.stack.hidden_size)
+        self.text_embedding = nn.Embedding(cfg.text_vocab_size, cfg.text_hidden_size)
+
+
+class TextProjection(nn.Module):
+    def __init__(self, text_hidden: int, hidden: int):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(text_hidden, text_hidden, bias=True)
+        self.linear_fc2 = nn.Linear(text_hidden, hidden, bias=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+
+
+class Talker(nn.Module):
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = TalkerStack(cfg)
+        self.text_projection = TextProjection(cfg.text_hidden_size, cfg.stack.hidden_size)
+        self.codec_head = nn.Linear(cfg.stack.hidden_size, cfg.stack.vocab_size, bias=False)
+        self.code_predictor = CodePredictor(cfg)
+
+    def new_cache(self, slots: int, max_len: int, device, dtype) -> KVCache:
+        return KVCache.allocate(self.cfg.stack, slots, max_len, device, dtype)
+
+    def embed_text(self, ids: Tensor) -> Tensor:
+        """Text-track embeddings: ids [...] -> [..., hidden]."""
+        return self.text_projection(self.model.text_embedding(ids))
+
+    def embed_codec(self, ids: Tensor) -> Tensor:
+        return self.model.codec_embedding(ids)
+
+    def frame_embedding(self, code0: Tensor, rest: Tensor) -> Tensor:
+        """Sum of a frame's 16 code embeddings: code0 [B], rest [B, 15] -> [B, hidden]."""
+        parts = [self.embed_codec(code0)] + self.code_predictor.code_embeddings(rest)
+        return torch.stack(parts, dim=1).sum(dim=1)
+
+    def forward(self, x: Tensor, slots: Tensor, positions: Tensor, cache: KVCache, kv_len: int,
+                last: Tensor, valid_len: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Run new positions of a batch of cache rows.
+
+        x [B, T, hidden]; slots [B]; positions [B, T]; kv_len: cache columns attended (> every position);
+        last [B] int64: which of the T positions gives each row's output; valid_len [B]: columns a row wrote.
+        Returns the final-norm hidden state [B, hidden] and code-0 logits [B, vocab] float32 at `last`.
+        """
+        batch = AttentionBatch.build(self.cfg.stack, slots, positions, kv_len, x.dtype, valid_len)
+        hidden = self.model.run(x, batch, cache)  # [B, T, hidden]
+        hidden = hidden[torch.arange(x.shape[0], device=x.device), last]  # [B, hidden]
+        return hidden, self.codec_head(hidden).float()
