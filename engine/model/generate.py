@@ -84,7 +84,7 @@ def generate(model: Qwen3TTS, requests: list[GenerationRequest]) -> Iterator[Fra
     while active:
         idx = torch.tensor(active, device=device)
         still = []
-        for row, c0 in zip(active, code0[idx].tolist()):
+        for row, c0 in zip(active, code0[idx].tolist(), strict=True):
             if c0 == model.eos_id:
                 yield Finished(row, int(frame[row]), "completed")
             else:

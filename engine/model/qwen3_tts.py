@@ -22,10 +22,16 @@ class Qwen3TTS(nn.Module):
         self.cfg = cfg
         self.talker = Talker(cfg.talker)
         vocab = cfg.talker.stack.vocab_size
-        suppress = torch.zeros(vocab, dtype=torch.bool)
-        suppress[vocab - 1024:] = True  # the official package blocks the top 1024 ids for code 0, except EOS
-        suppress[cfg.talker.codec_eos_id] = False
-        self.register_buffer("code0_suppressed", suppress, persistent=False)
+        self.register_buffer("code0_suppressed", torch.zeros(vocab, dtype=torch.bool), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """Derived, non-persistent buffers (re-run after building on the meta device)."""
+        with torch.no_grad():
+            # The official package blocks the top 1024 codec ids for code 0, except EOS.
+            self.code0_suppressed.zero_()
+            self.code0_suppressed[-1024:] = True
+            self.code0_suppressed[self.cfg.talker.codec_eos_id] = False
 
     @property
     def eos_id(self) -> int:
