@@ -1,0 +1,89 @@
+"""Everything between the model's float PCM (24 kHz mono float32) and the bytes that leave the server.
+
+- trim: LeadingSilenceTrimmer, per segment (PROTOCOL.md 1.7).
+- pcm: s16le / f32le / mu-law conversions, streaming-exact Resampler, PcmEncoder.
+- opus: OpusStreamEncoder (opuslib; needs libopus0), OpusPacket, OpusUnavailableError.
+- ogg: OggOpusWriter (RFC 7845) and Ogg helpers.
+- mp3: Mp3StreamEncoder (lameenc).
+- wav: wav_header (streaming 0xFFFFFFFF sizes or exact), WavWriter, write_wav.
+- frames: the 16-byte binary audio frame header (PROTOCOL.md 1.3).
+- formats: WsAudioEncoder and make_http_encoder, one object per output stream for the gateway.
+
+Every encoder is a plain synchronous object with per-stream state: the gateway runs its calls in a thread pool
+executor (never on the event loop), one call at a time per object, in order. Codec libraries are imported only
+when an encoder that needs them is built, so this package imports without them.
+"""
+
+from .formats import (
+    CONTENT_TYPES,
+    HTTP_FORMATS,
+    HttpAudioEncoder,
+    WirePacket,
+    WsAudioEncoder,
+    make_http_encoder,
+)
+from .frames import (
+    FLAG_FIRST,
+    FLAG_LAST,
+    FLAG_SEGMENT_START,
+    HEADER_SIZE,
+    FrameHeader,
+    pack_frame,
+    pack_header,
+    unpack_frame,
+)
+from .mp3 import Mp3StreamEncoder, Mp3UnavailableError
+from .ogg import OggOpusWriter, opus_packet_samples
+from .opus import OpusPacket, OpusStreamEncoder, OpusUnavailableError
+from .pcm import (
+    PCM_ENCODINGS,
+    PcmEncoder,
+    Resampler,
+    float_to_f32le,
+    float_to_mulaw,
+    float_to_s16,
+    float_to_s16le,
+    mulaw_to_s16,
+    s16_to_float,
+    s16_to_mulaw,
+)
+from .trim import LeadingSilenceTrimmer
+from .wav import WavWriter, wav_header, write_wav
+
+__all__ = [
+    "CONTENT_TYPES",
+    "FLAG_FIRST",
+    "FLAG_LAST",
+    "FLAG_SEGMENT_START",
+    "HEADER_SIZE",
+    "HTTP_FORMATS",
+    "PCM_ENCODINGS",
+    "FrameHeader",
+    "HttpAudioEncoder",
+    "LeadingSilenceTrimmer",
+    "Mp3StreamEncoder",
+    "Mp3UnavailableError",
+    "OggOpusWriter",
+    "OpusPacket",
+    "OpusStreamEncoder",
+    "OpusUnavailableError",
+    "PcmEncoder",
+    "Resampler",
+    "WavWriter",
+    "WirePacket",
+    "WsAudioEncoder",
+    "float_to_f32le",
+    "float_to_mulaw",
+    "float_to_s16",
+    "float_to_s16le",
+    "make_http_encoder",
+    "mulaw_to_s16",
+    "opus_packet_samples",
+    "pack_frame",
+    "pack_header",
+    "s16_to_float",
+    "s16_to_mulaw",
+    "unpack_frame",
+    "wav_header",
+    "write_wav",
+]
