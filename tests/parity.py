@@ -10,7 +10,8 @@ import torch
 
 from engine.model.generate import Frame, GenerationRequest, generate
 from engine.model.prompt import build_prompt, instruction_ids, resolve_voice, text_track_id
-from engine.model.sampling import SamplerRows, SamplingParams
+from engine.model.sampling import SamplerRows
+from engine.model.sampling_params import SamplingParams
 
 GREEDY_OFFICIAL = dict(do_sample=False, subtalker_dosample=False, top_k=None, top_p=None, temperature=None,
                        subtalker_top_k=None, subtalker_top_p=None, subtalker_temperature=None)

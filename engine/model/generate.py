@@ -14,7 +14,8 @@ from torch import Tensor
 
 from engine.model.prompt import NO_CODEC, Prompt, text_track_id
 from engine.model.qwen3_tts import Qwen3TTS
-from engine.model.sampling import SamplerRows, SamplingParams
+from engine.model.sampling import SamplerRows
+from engine.model.sampling_params import SamplingParams
 
 
 @dataclass

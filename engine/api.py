@@ -1,0 +1,105 @@
+"""The engine's public names: what the server may import (ARCHITECTURE.md, rules of the house 1).
+
+Text crosses in as token ids; audio leaves as float32 PCM chunks at 24 kHz, in order, tagged with their sample
+offset on the context's timeline. A context is one stream of speech; each flush ends a segment, and every
+segment is generated as its own request (fresh KV and codec state, seed = context seed + segment index).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.model.sampling_params import SamplingParams
+
+SAMPLE_RATE = 24000
+SAMPLES_PER_FRAME = 1920
+
+
+class EngineError(Exception):
+    """A typed failure the server maps onto its protocol error table. `code` is the protocol's code."""
+
+    code = "internal"
+    retryable = False
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class Overloaded(EngineError):
+    """Admission refused: the engine predicts it cannot serve this context without hurting playing streams."""
+
+    code = "overloaded"
+    retryable = True
+
+
+class InvalidRequest(EngineError):
+    """Bad voice, language, instruction, layout or sampling value; `code` is set per case."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
+        super().__init__(message, param)
+        self.code = code
+
+
+class ContextClosed(EngineError):
+    code = "context_closed"
+
+
+@dataclass(frozen=True)
+class ContextSpec:
+    """Everything fixed when a context opens."""
+
+    voice: str  # checkpoint speaker name, case-insensitive
+    language: str = "auto"  # language name, ISO 639-1 code or "auto"
+    instruction_ids: list[int] | None = None  # ids of "user\n{instructions}" (1.7B only)
+    text_layout: str = "dual"  # "dual" (text may stream in) or "whole" (all text before the first frame)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # seed, min/max frames included
+    trace_id: str = ""  # carried into the engine's timeline and logs
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    pcm: np.ndarray  # float32 [n] at SAMPLE_RATE, n = frames * SAMPLES_PER_FRAME
+    start_sample: int  # offset on the context's timeline (all segments back to back)
+    segment: int  # 0, 1, ...
+    first_frame: int  # frame index within the segment of pcm[0]
+    codes: np.ndarray  # int64 [frames, 16]: the codes this audio was decoded from
+
+
+@dataclass(frozen=True)
+class SegmentDone:
+    segment: int
+    reason: str  # "completed" (EOS or bench length), "max_frames"
+    frames: int
+    end_sample: int  # context timeline position after this segment's last sample
+
+
+@dataclass(frozen=True)
+class ContextDone:
+    reason: str  # "completed", "max_frames", "cancelled", "error"
+    audio_samples: int
+    error_code: str | None = None  # with reason "error": the protocol code (synthesis_failed, internal)
+    error_message: str | None = None
+
+
+EngineEvent = AudioChunk | SegmentDone | ContextDone
+
+
+@dataclass(frozen=True)
+class VoiceInfo:
+    name: str
+    languages: list[str]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # served model name (checkpoint directory name or random:<size>)
+    model_size: str  # "1b7" / "0b6"
+    voices: list[VoiceInfo]
+    languages: list[str]  # names, plus "auto"
+    supports_instructions: bool
+    random_weights: bool
+    sampling_defaults: SamplingParams
+    sample_rate: int = SAMPLE_RATE

@@ -1,0 +1,55 @@
+"""Engine configuration: one frozen tree, validated at start-up with errors that name the value and the fix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class EngineConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_slots: int = 64  # concurrent segment requests (KV cache rows)
+    max_batch: dict[str, int] = field(default_factory=lambda: {"prefill": 16, "talker": 64,
+                                                               "code_predictor": 64, "codec": 32})
+    chunk_ramp: tuple[int, ...] = (1, 2, 4, 8, 12)  # codec frames per chunk: first chunk, then growing
+    safety_lead_s: float = 0.25  # a playing stream turns urgent this long before its buffer would run dry
+    admission_load: float = 0.85  # admit while the predicted round of all streams fits in this share of 80 ms
+    max_waiting_first_audio: int = 32  # requests still waiting for their first audio (beyond: overloaded)
+    bench_frames_per_word: int = 0  # PROTOCOL 1.6 benchmark length mode; 0 = off
+
+    def validate(self) -> None:
+        if self.max_slots < 1:
+            raise EngineConfigError(f"max_slots = {self.max_slots}; it must be >= 1 (--max-slots)")
+        for stage in ("prefill", "talker", "code_predictor", "codec"):
+            if self.max_batch.get(stage, 0) < 1:
+                raise EngineConfigError(f"max_batch[{stage!r}] = {self.max_batch.get(stage)}; it must be >= 1")
+        if not self.chunk_ramp or any(c < 1 for c in self.chunk_ramp):
+            raise EngineConfigError(f"chunk_ramp = {self.chunk_ramp}; give positive frame counts, e.g. 1,2,4,8,12")
+        if self.safety_lead_s < 0:
+            raise EngineConfigError(f"safety_lead_s = {self.safety_lead_s}; it must be >= 0")
+        if not 0 < self.admission_load:
+            raise EngineConfigError(f"admission_load = {self.admission_load}; it must be > 0 (1.0 = full GPU)")
+        if self.bench_frames_per_word < 0:
+            raise EngineConfigError(f"bench_frames_per_word = {self.bench_frames_per_word}; use 0 (off) or more")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_frames: int = 2048  # per segment; also sizes the Talker KV cache
+    max_prompt_tokens: int = 1024  # prompt positions a segment may use (whole layout: the whole text)
+    trace_capacity: int = 10000  # timeline events kept per engine for the Chrome trace export
+
+    def validate(self) -> None:
+        self.scheduler.validate()
+        if self.max_frames < 1:
+            raise EngineConfigError(f"max_frames = {self.max_frames}; it must be >= 1")
+        if self.max_prompt_tokens < 16:
+            raise EngineConfigError(f"max_prompt_tokens = {self.max_prompt_tokens}; it must be >= 16")
+
+    @property
+    def kv_len(self) -> int:
+        return self.max_prompt_tokens + self.max_frames + 1

@@ -1,0 +1,100 @@
+"""The engine loop, on its own thread: plan, launch, collect the previous step, update.
+
+A step's results are read one iteration late, so the host never waits for the device inside a step; the
+scheduler's state changes under one lock, held only for planning and bookkeeping, never during model work.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from engine.runner import Pending, Runner
+from engine.scheduler import Emit, Scheduler
+from engine.trace import Timeline
+
+log = logging.getLogger("voicelane.engine")
+
+
+class StageStats:
+    """Cumulative per-stage counters (steps, rows, seconds) and a step-time histogram, for /metrics."""
+
+    BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, float("inf"))
+
+    def __init__(self) -> None:
+        self.steps = self.rows = 0
+        self.seconds = 0.0
+        self.last_batch = 0
+        self.histogram = [0] * len(self.BUCKETS_S)
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.steps += 1
+        self.rows += rows
+        self.seconds += seconds
+        self.last_batch = rows
+        self.histogram[next(i for i, b in enumerate(self.BUCKETS_S) if seconds <= b)] += 1
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: Runner, deliver: Callable[[list[Emit]], None],
+                 timeline: Timeline, clock: Callable[[], float] = time.monotonic):
+        self.scheduler, self.runner, self.deliver, self.timeline, self.clock = (
+            scheduler, runner, deliver, timeline, clock)
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.in_flight: Pending | None = None
+        self.stage_stats: dict[str, StageStats] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.crashed: BaseException | None = None
+
+    def step(self) -> bool:
+        with self.lock:
+            plan = self.scheduler.plan(self.clock())
+        launched = self.runner.launch(plan) if plan is not None else None
+        self._finish(self.in_flight)
+        self.in_flight = launched
+        return plan is not None
+
+    def _finish(self, pending: Pending | None) -> None:
+        if pending is None:
+            return
+        result = self.runner.collect(pending)
+        with self.lock:
+            emits = self.scheduler.update(result, self.clock())
+        rows = [r.cid for r in pending.plan.rows]
+        self.stage_stats.setdefault(result.stage.value, StageStats()).add(len(rows), result.elapsed_s)
+        self.timeline.step(result.stage.value, pending.started, result.elapsed_s, rows)
+        if emits:
+            self.deliver(emits)
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        """Drive the loop on the caller's thread until nothing is runnable (tests, tools)."""
+        for _ in range(max_steps):
+            if not self.step() and self.in_flight is None:
+                return
+        raise RuntimeError(f"engine still busy after {max_steps} steps")
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="voicelane-engine", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.step() and self.in_flight is None:
+                    self.wake.wait(0.05)
+                    self.wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - reported through /ready and the log
+            self.crashed = exc
+            log.exception("engine loop crashed")
+            raise
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+

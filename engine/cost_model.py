@@ -1,0 +1,50 @@
+"""Step-time model for admission: per stage, time = fixed + per_row * batch, fitted online. No torch."""
+
+from __future__ import annotations
+
+from engine.request import Stage
+
+DECAY = 0.98  # weight of the past per observation (about the last 50 steps matter)
+
+
+class _LinearFit:
+    """Exponentially weighted least squares of t = a + b * x."""
+
+    def __init__(self) -> None:
+        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def observe(self, x: float, y: float) -> None:
+        d = DECAY
+        self.w, self.sx, self.sy = d * self.w + 1, d * self.sx + x, d * self.sy + y
+        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
+
+    def predict(self, x: float) -> float | None:
+        if self.w < 1:
+            return None
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx
+        slope = max(0.0, (self.sxy / self.w - mx * my) / var) if var > 1e-9 else 0.0
+        if var <= 1e-9 and mx > 0:
+            slope = my / mx / 2  # one batch size seen so far: assume half the time scales with it
+        return max(0.0, my + slope * (x - mx))
+
+
+class CostModel:
+    def __init__(self) -> None:
+        self.fits = {stage: _LinearFit() for stage in Stage}
+
+    def observe(self, stage: Stage, batch: int, seconds: float) -> None:
+        if batch > 0:
+            self.fits[stage].observe(batch, seconds)
+
+    def step_s(self, stage: Stage, batch: int) -> float | None:
+        return self.fits[stage].predict(batch)
+
+    def round_s(self, streams: int, frames_per_codec_chunk: int) -> float | None:
+        """Predicted time to give `streams` concurrent streams one more frame each (None: nothing measured)."""
+        talker = self.step_s(Stage.TALKER, streams)
+        cp = self.step_s(Stage.CODE_PREDICTOR, streams)
+        if talker is None or cp is None:
+            return None
+        codec = self.step_s(Stage.CODEC, streams) or 0.0
+        return talker + cp + codec / max(1, frames_per_codec_chunk)

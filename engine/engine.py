@@ -1,0 +1,210 @@
+"""The asyncio facade the server uses: open contexts, feed them token ids, read their events.
+
+Calls are cheap and never block on the model: they change scheduler state under the core's lock and wake the
+loop thread. Events come back through one asyncio queue per context, in order, ending with ContextDone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+
+from engine.api import (
+    AudioChunk,
+    ContextClosed,
+    ContextDone,
+    ContextSpec,
+    EngineEvent,
+    InvalidRequest,
+    ModelInfo,
+    Overloaded,
+    SegmentDone,
+    VoiceInfo,
+)
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.model.checkpoint import LoadedModel
+from engine.model.prompt import LAYOUTS, PromptError, instruction_ids, resolve_voice, spoken_languages
+from engine.model.sampling_params import SamplingError, SamplingParams
+from engine.runner import Runner
+from engine.scheduler import AdmissionRefused, ContextSetup, Emit, Scheduler
+from engine.trace import Timeline
+
+log = logging.getLogger("voicelane.engine")
+PLAYBACK_STATES = ("buffering", "playing", "underrun", "finished")
+
+
+class Context:
+    """One open stream of speech. Created by Engine.open_context."""
+
+    def __init__(self, engine: Engine, cid: int, spec: ContextSpec, loop: asyncio.AbstractEventLoop):
+        self.engine, self.cid, self.spec = engine, cid, spec
+        self._queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        self._loop = loop
+        self.closed = False  # no more text
+        self.ended = False  # ContextDone was delivered
+
+    @property
+    def seed(self) -> int:
+        return self.spec.sampling.seed
+
+    def _op(self, fn, *args):
+        if self.ended:
+            raise ContextClosed("the context has ended")
+        return self.engine._call(fn, self.cid, *args)
+
+    def append_text(self, ids: list[int]) -> None:
+        if self.closed:
+            raise ContextClosed("text after context.close")
+        if ids:
+            self._op(self.engine.scheduler.append_text, list(ids))
+
+    def flush(self, words: int | None = None) -> int | None:
+        """End the current segment. Returns its index, or None if there was no text since the last flush."""
+        if self.closed:
+            raise ContextClosed("flush after context.close")
+        return self._op(self.engine.scheduler.end_segment, words)
+
+    def close(self, words: int | None = None) -> int | None:
+        if self.closed:
+            raise ContextClosed("context.close twice")
+        self.closed = True
+        return self._op(lambda cid, w, now: self.engine.scheduler.end_segment(cid, w, now, close=True), words)
+
+    def cancel(self) -> None:
+        if not self.ended:
+            self.engine._call(self.engine.scheduler.cancel, self.cid)
+
+    def report_playback(self, played_ms: float, state: str) -> None:
+        if state not in PLAYBACK_STATES:
+            raise InvalidRequest("invalid_field", f"state {state!r}; one of {PLAYBACK_STATES}", "state")
+        if not self.ended:
+            self.engine._call(self.engine.scheduler.playback, self.cid, float(played_ms), state)
+
+    def inject_fault(self, kind: str, at_frame: int = 0) -> None:
+        """Test hook: make this context's model step fail ("exception") or produce NaN logits ("nan")."""
+        self.engine.runner.faults[self.cid] = (kind, at_frame)
+
+    async def events(self) -> AsyncIterator[EngineEvent]:
+        while True:
+            event = await self._queue.get()
+            yield event
+            if isinstance(event, ContextDone):
+                return
+
+    def _push(self, events: list[EngineEvent]) -> None:
+        for e in events:
+            self._queue.put_nowait(e)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.config.validate()
+        self.loaded = loaded
+        self.timeline = Timeline(self.config.trace_capacity, origin=time.monotonic())
+        self.scheduler = Scheduler(self.config.scheduler, loaded.config, self.timeline)
+        self.runner = Runner(loaded, self.config)
+        self.core = EngineCore(self.scheduler, self.runner, self._deliver, self.timeline)
+        self.contexts: dict[int, Context] = {}
+        self.sampling_defaults = SamplingParams.from_generation_config(loaded.config.generation).with_overrides(
+            max_frames=min(2048, self.config.max_frames))
+        self.info = self._model_info()
+        log.info("engine ready: %d slots, KV cache %.1f MiB, device %s, dtype %s", self.config.scheduler.max_slots,
+                 self.runner.kv_bytes / 2**20, loaded.device, loaded.dtype)
+
+    def _model_info(self) -> ModelInfo:
+        cfg = self.loaded.config
+        langs = spoken_languages(cfg)
+        voices = [VoiceInfo(name, ["auto", *langs]) for name in cfg.talker.speaker_ids]
+        name = self.loaded.source.rstrip("/").split("/")[-1] if not self.loaded.random_weights else self.loaded.source
+        return ModelInfo(name=name, model_size=cfg.model_size, voices=voices, languages=["auto", *langs],
+                         supports_instructions=cfg.supports_instructions, random_weights=self.loaded.random_weights,
+                         sampling_defaults=self.sampling_defaults)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self.core.start()
+
+    def stop(self) -> None:
+        self.core.stop()
+
+    # ------------------------------------------------------------------ contexts
+    def open_context(self, spec: ContextSpec) -> Context:
+        cfg = self.loaded.config
+        try:
+            voice = resolve_voice(cfg, spec.voice, spec.language)
+            instruction = instruction_ids(cfg, spec.instruction_ids) if spec.instruction_ids else None
+        except PromptError as exc:
+            raise InvalidRequest(exc.code, str(exc), exc.param) from None
+        if spec.text_layout not in LAYOUTS:
+            raise InvalidRequest("invalid_field", f"text_layout {spec.text_layout!r}; one of {LAYOUTS}", "text_layout")
+        try:
+            spec.sampling.validate()
+        except SamplingError as exc:
+            raise InvalidRequest("invalid_field", str(exc), "sampling") from None
+        if spec.sampling.max_frames > self.config.max_frames:
+            raise InvalidRequest("invalid_field", f"max_frames {spec.sampling.max_frames} is above this server's "
+                                 f"limit {self.config.max_frames}", "max_frames")
+        setup = ContextSetup(voice, instruction, spec.text_layout)
+        loop = asyncio.get_running_loop()
+        with self.core.lock:
+            try:
+                cid = self.scheduler.open_context(setup, spec.sampling, time.monotonic())
+            except AdmissionRefused as exc:
+                raise Overloaded(str(exc)) from None
+            ctx = Context(self, cid, spec, loop)
+            self.contexts[cid] = ctx
+        self.timeline.name_context(cid, spec.trace_id)
+        return ctx
+
+    def _call(self, fn, cid: int, *args):
+        with self.core.lock:
+            out = fn(cid, *args, time.monotonic())
+            emits = self.scheduler.drain_outbox()
+        if emits:
+            self._deliver(emits)
+        self.core.wake.set()
+        return out
+
+    def _deliver(self, emits: list[Emit]) -> None:
+        """Route scheduler output to the contexts' queues (called on the engine thread or inside a call)."""
+        routed: dict[int, tuple[Context, list[EngineEvent]]] = {}
+        for e in emits:
+            ctx = self.contexts.get(e.cid)
+            if ctx is None:
+                continue
+            routed.setdefault(e.cid, (ctx, []))[1].append(self._event(e))
+            if e.kind == "context_done":
+                ctx.ended = True
+                self.runner.faults.pop(e.cid, None)
+                del self.contexts[e.cid]
+        for ctx, events in routed.values():
+            ctx._loop.call_soon_threadsafe(ctx._push, events)
+
+    @staticmethod
+    def _event(e: Emit) -> EngineEvent:
+        if e.kind == "audio":
+            return AudioChunk(pcm=np.asarray(e.pcm, dtype=np.float32), start_sample=e.start_sample,
+                              segment=e.segment, first_frame=e.first_frame, codes=np.asarray(e.codes))
+        if e.kind == "segment_done":
+            return SegmentDone(e.segment, e.reason, e.frames, e.start_sample)
+        code = "synthesis_failed" if e.reason == "error" else None
+        return ContextDone(e.reason, e.start_sample, code, e.error)
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict:
+        with self.core.lock:
+            s = self.scheduler.stats()
+        s["stages"] = {k: {"steps": v.steps, "rows": v.rows, "seconds": v.seconds, "last_batch": v.last_batch,
+                           "histogram": list(v.histogram)} for k, v in self.core.stage_stats.items()}
+        s["kv_cache_bytes"] = self.runner.kv_bytes
+        s["open_contexts"] = len(self.contexts)
+        return s
+
+    def chrome_trace(self) -> str:
+        return self.timeline.chrome_trace()

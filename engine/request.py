@@ -1,0 +1,135 @@
+"""Request and context bookkeeping shared by the scheduler and the engine loop. Plain Python: no torch.
+
+A context is one stream of speech on one audio timeline; each segment (text up to a flush or the close) is a
+Request that moves through PREFILL -> (CODE_PREDICTOR -> TALKER)* with CODEC chunks alongside. The scheduler
+advances a request's progress counters when it *plans* a step (device work is stream-ordered, so the next step
+may be planned before the last one finished); facts only the host can learn late (EOS, NaN, audio) arrive
+through StageResult one iteration later.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.model.prompt import Prompt
+from engine.model.sampling_params import SamplingParams
+
+FRAME_S = 0.08  # one frame = 80 ms of audio
+
+
+class Stage(str, enum.Enum):
+    PREFILL = "prefill"
+    CODE_PREDICTOR = "code_predictor"
+    TALKER = "talker"
+    CODEC = "codec"
+
+
+@dataclass
+class PlaybackClock:
+    """Where the listener's playback of a context is, from client acks or, without them, 1x from first send."""
+
+    delivered_s: float = 0.0  # audio handed to the server so far (all segments)
+    first_sent_at: float | None = None
+    ack_at: float | None = None  # time of the last client report
+    ack_played_s: float = 0.0
+    ack_state: str = "playing"  # buffering | playing | underrun | finished
+
+    def buffer_empty_at(self) -> float | None:
+        """When the listener runs out of audio (None: playback has not started, nothing delivered)."""
+        if self.first_sent_at is None:
+            return None
+        if self.ack_at is None:
+            return self.first_sent_at + self.delivered_s
+        if self.ack_state in ("buffering", "underrun"):
+            return self.ack_at  # the listener is waiting right now
+        return self.ack_at + max(0.0, self.delivered_s - self.ack_played_s)
+
+
+@dataclass
+class ContextState:
+    cid: int
+    slot: int  # cache row shared by the context's segments, one at a time
+    spec_prompt_key: object  # what the prompt builder needs (voice, instruction ids, layout)
+    sampling: SamplingParams
+    clock: PlaybackClock = field(default_factory=PlaybackClock)
+    segments_started: int = 0
+    audio_samples: int = 0  # context timeline position (end of audio emitted)
+    closed: bool = False  # no more text will come
+    cancelled: bool = False
+    failed: str | None = None
+    last_reason: str = "completed"
+
+
+@dataclass
+class Request:
+    rid: int
+    context: ContextState
+    segment: int
+    arrival: float
+    layout: str
+    sampling: SamplingParams  # seed already offset by the segment index
+    text_ids: list[int] = field(default_factory=list)
+    text_complete: bool = False
+    words: int | None = None  # whitespace-separated words of the segment (benchmark length mode)
+    prompt: Prompt | None = None
+    # planned progress (advanced at plan time)
+    prefilled: bool = False
+    code0_made: int = 0  # code-0 tokens sampled (c0[0] by the prefill, c0[s+1] by TALKER(s))
+    frames_made: int = 0  # frames with all 16 codes (CODE_PREDICTOR(s) makes frame s)
+    frames_decoded: int = 0  # frames handed to the codec
+    chunks: int = 0
+    # host-known facts (one iteration late)
+    code0_checked: int = 0  # code-0 tokens whose EOS flag has been read
+    eos_at: int | None = None  # index of the code-0 token that was EOS
+    stop_at: int | None = None  # frames the segment will have, once known
+    finish_reason: str = "completed"
+    frames_emitted: int = 0
+    first_audio_at: float | None = None
+    done: bool = False
+
+    @property
+    def slot(self) -> int:
+        return self.context.slot
+
+    def confirmed_frames(self) -> int:
+        """Frames whose code 0 is known not to be EOS and whose codes exist."""
+        ok = self.code0_checked if self.eos_at is None else min(self.code0_checked, self.eos_at)
+        limit = self.frames_made if self.stop_at is None else min(self.frames_made, self.stop_at)
+        return min(ok, limit)
+
+    @property
+    def generating(self) -> bool:
+        return self.stop_at is None
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    rid: int
+    cid: int  # context (the test-only fault hook is keyed by it)
+    slot: int
+    frame: int  # PREFILL 0; CODE_PREDICTOR s (makes frame s); TALKER s (reads frame s, samples c0[s+1]); CODEC first
+    prompt: Prompt | None = None  # PREFILL
+    sampling: SamplingParams | None = None  # PREFILL: loaded into the slot's device state
+    text_id: int | None = None  # TALKER: text-track id of this step
+    eos_allowed: bool = True  # PREFILL / TALKER: may the code-0 sampled now be EOS
+    chunk: int = 0  # CODEC: frames decoded
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: Stage
+    rows: list[RowPlan]
+
+
+@dataclass
+class StageResult:
+    stage: Stage
+    rids: list[int]
+    elapsed_s: float
+    eos: list[bool] | None = None  # PREFILL / TALKER: the sampled code 0 was EOS
+    failed: list[str | None] | None = None  # per row: why it failed (NaN logits, exception), else None
+    pcm: np.ndarray | None = None  # CODEC [B, chunk * 1920] float32
+    codes: np.ndarray | None = None  # CODEC [B, chunk, 16] int64

@@ -1,0 +1,231 @@
+"""Executes the scheduler's plans on the model. All per-slot state lives on the model's device.
+
+The host sends small index and id tensors and gets results back through copies it only reads one iteration
+later (`launch` then `collect`), so a step never waits for the device. Eager here, on the CPU and the GPU; the
+CUDA-graph fast path captures these same stage functions per batch bucket.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from engine.config import EngineConfig
+from engine.model.checkpoint import LoadedModel
+from engine.model.prompt import NO_CODEC
+from engine.model.sampling import SamplerRows
+from engine.request import RowPlan, StagePlan, StageResult
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the test-only fault hook."""
+
+
+@dataclass
+class _SlotSampling:
+    """Sampling settings of every slot, on the device, indexed by slot."""
+
+    temperature: Tensor  # [S] float32 (Talker)
+    top_k: Tensor  # [S] int64
+    top_p: Tensor  # [S] float32
+    sub_temperature: Tensor  # [S] float32 (Code Predictor)
+    sub_top_k: Tensor  # [S] int64
+    sub_top_p: Tensor  # [S] float32
+    seed: Tensor  # [S] int64
+    penalty: Tensor  # [S] float32
+
+    def talker(self, slots: Tensor) -> SamplerRows:
+        return SamplerRows(self.temperature[slots], self.top_k[slots], self.top_p[slots], self.seed[slots])
+
+    def code_predictor(self, slots: Tensor) -> SamplerRows:
+        return SamplerRows(self.sub_temperature[slots], self.sub_top_k[slots], self.sub_top_p[slots], self.seed[slots])
+
+
+@dataclass
+class Pending:
+    """A launched step whose outputs are still on the device."""
+
+    plan: StagePlan
+    started: float
+    parts: list[tuple[list[int], dict[str, Tensor]]] = field(default_factory=list)  # (row indices, outputs)
+    failed: dict[int, str] = field(default_factory=dict)  # row index -> reason
+    end_event: object = None
+
+
+class Runner:
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig):
+        self.model, self.codec, self.cfg = loaded.tts, loaded.codec, cfg
+        self.device, self.dtype = loaded.device, loaded.dtype
+        talker = loaded.config.talker
+        S, dev = cfg.scheduler.max_slots, self.device
+        self.kv = self.model.talker.new_cache(S, cfg.kv_len, dev, self.dtype)
+        self.hidden = torch.zeros(S, talker.stack.hidden_size, device=dev, dtype=self.dtype)  # [S, H]
+        self.code0 = torch.zeros(S, dtype=torch.int64, device=dev)  # [S] last sampled code 0
+        self.rest = torch.zeros(S, talker.num_code_groups - 1, dtype=torch.int64, device=dev)  # [S, 15]
+        self.frames = torch.zeros(S, cfg.max_frames + 1, talker.num_code_groups, dtype=torch.int64, device=dev)
+        self.seen = torch.zeros(S, talker.stack.vocab_size, dtype=torch.bool, device=dev)  # repetition penalty
+        self.position = torch.zeros(S, dtype=torch.int64, device=dev)  # next Talker position
+        self.host_position = [0] * S  # the same, known on the host without a sync (sizes attention spans)
+
+        def zeros(dtype):
+            return torch.zeros(S, dtype=dtype, device=dev)
+
+        self.sampling = _SlotSampling(*(zeros(torch.float32) if i in (0, 2, 3, 5, 7) else zeros(torch.int64)
+                                        for i in range(8)))
+        self.codec_state = self.codec.new_stream_state(S, dev, self.dtype)
+        self.faults: dict[int, tuple[str, int]] = {}  # cid -> ("exception" | "nan", code-0 index), test hook
+        self.kv_bytes = self.kv.bytes
+
+    # ------------------------------------------------------------------ launch / collect
+    @torch.inference_mode()
+    def launch(self, plan: StagePlan) -> Pending:
+        pending = Pending(plan, time.monotonic())
+        run = getattr(self, f"_{plan.stage.value}")
+        rows = list(range(len(plan.rows)))
+        try:
+            pending.parts.append((rows, run(plan.rows)))
+        except Exception:
+            # Isolate the failing row: retry one by one, so a broken request never takes its batch down.
+            for i in rows:
+                try:
+                    pending.parts.append(([i], run([plan.rows[i]])))
+                except Exception as exc:  # noqa: BLE001 - the reason is reported to that request only
+                    pending.failed[i] = f"{type(exc).__name__}: {exc}"
+        for _, outputs in pending.parts:
+            for key, value in outputs.items():
+                outputs[key] = value.to("cpu", non_blocking=True) if value.device.type == "cuda" else value
+        if self.device.type == "cuda":
+            pending.end_event = torch.cuda.Event()
+            pending.end_event.record()
+        return pending
+
+    def collect(self, pending: Pending) -> StageResult:
+        if pending.end_event is not None:
+            pending.end_event.synchronize()
+        plan, n = pending.plan, len(pending.plan.rows)
+        result = StageResult(plan.stage, [r.rid for r in plan.rows], time.monotonic() - pending.started)
+        failed: list[str | None] = [pending.failed.get(i) for i in range(n)]
+        merged: dict[str, list] = {}
+        for rows, outputs in pending.parts:
+            for key, value in outputs.items():
+                arr = merged.setdefault(key, [None] * n)
+                for j, i in enumerate(rows):
+                    arr[i] = value[j].numpy()
+        if "bad" in merged:
+            for i, bad in enumerate(merged["bad"]):
+                if bad is not None and bool(bad) and failed[i] is None:
+                    failed[i] = "non-finite values in the model's output"
+        result.failed = failed
+        if "eos" in merged:
+            result.eos = [bool(x) if x is not None else False for x in merged["eos"]]
+        if "pcm" in merged:
+            result.pcm = merged["pcm"]
+            result.codes = merged["codes"]
+        return result
+
+    # ------------------------------------------------------------------ stages
+    def _slots(self, rows: list[RowPlan]) -> Tensor:
+        return torch.tensor([r.slot for r in rows], dtype=torch.int64, device=self.device)
+
+    def _inject(self, rows: list[RowPlan], code0_index: list[int], logits: Tensor | None = None) -> None:
+        """Test-only faults: before the model runs, raise for "exception" faults; once logits exist, poison the
+        rows with "nan" faults."""
+        for i, (row, index) in enumerate(zip(rows, code0_index, strict=True)):
+            kind, at = self.faults.get(row.cid, (None, 0))
+            if kind is None or index < at:
+                continue
+            if kind == "exception" and logits is None:
+                raise InjectedFault(f"injected fault in context {row.cid}")
+            if kind == "nan" and logits is not None:
+                logits[i] = float("nan")
+
+    def _prefill(self, rows: list[RowPlan]) -> dict[str, Tensor]:
+        self._inject(rows, [0] * len(rows))
+        dev = self.device
+        slots = self._slots(rows)
+        lengths = [len(r.prompt) for r in rows]
+        L = max(lengths)
+        if L + self.cfg.max_frames + 1 > self.kv.max_len:
+            raise ValueError(f"prompt of {L} positions exceeds max_prompt_tokens {self.cfg.max_prompt_tokens}")
+        text = torch.full((len(rows), L), self.model.cfg.tts_pad_id, dtype=torch.int64)
+        codec = torch.full((len(rows), L), NO_CODEC, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            text[i, : lengths[i]] = torch.tensor(r.prompt.text_track)
+            codec[i, : lengths[i]] = torch.tensor(r.prompt.codec_track)
+        self._load_sampling(rows, slots)
+        self.seen[slots] = False
+        self.codec_state.reset_(slots)
+        length = torch.tensor(lengths, dtype=torch.int64, device=dev)
+        x = self.model.embed_prompt(text.to(dev), codec.to(dev))
+        positions = torch.arange(L, device=dev).expand(len(rows), L)
+        hidden, logits = self.model.talker(x, slots, positions, self.kv, L, last=length - 1, valid_len=length)
+        self._inject(rows, [0] * len(rows), logits)
+        frame = torch.zeros(len(rows), dtype=torch.int64, device=dev)
+        code0 = self._choose_code0(rows, slots, logits, frame)
+        self.hidden[slots], self.code0[slots], self.position[slots] = hidden, code0, length
+        for r, n in zip(rows, lengths, strict=True):
+            self.host_position[r.slot] = n
+        return {"eos": code0 == self.model.eos_id, "bad": ~torch.isfinite(logits).all(dim=-1)}
+
+    def _load_sampling(self, rows: list[RowPlan], slots: Tensor) -> None:
+        s, dev = self.sampling, self.device
+
+        def put(target: Tensor, values: list) -> None:
+            target[slots] = torch.tensor(values, dtype=target.dtype, device=dev)
+
+        ps = [r.sampling for r in rows]
+        put(s.temperature, [p.temperature for p in ps])
+        put(s.top_k, [p.top_k for p in ps])
+        put(s.top_p, [p.top_p for p in ps])
+        put(s.sub_temperature, [p.sub_temperature for p in ps])
+        put(s.sub_top_k, [p.sub_top_k for p in ps])
+        put(s.sub_top_p, [p.sub_top_p for p in ps])
+        put(s.seed, [p.seed for p in ps])
+        put(s.penalty, [p.repetition_penalty for p in ps])
+
+    def _choose_code0(self, rows: list[RowPlan], slots: Tensor, logits: Tensor, frame: Tensor) -> Tensor:
+        allow_eos = torch.tensor([r.eos_allowed for r in rows], device=self.device)
+        return self.model.choose_code0(logits, self.sampling.talker(slots), self.sampling.penalty[slots],
+                                       self.seen[slots], allow_eos, frame)
+
+    def _code_predictor(self, rows: list[RowPlan]) -> dict[str, Tensor]:
+        slots = self._slots(rows)
+        frame = torch.tensor([r.frame for r in rows], dtype=torch.int64, device=self.device)
+        code0 = self.code0[slots]
+        rest, _ = self.model.codes_1_to_15(self.hidden[slots], code0, self.sampling.code_predictor(slots), frame)
+        self.rest[slots] = rest
+        self.frames[slots, frame] = torch.cat([code0[:, None], rest], dim=1)
+        return {}
+
+    def _talker(self, rows: list[RowPlan]) -> dict[str, Tensor]:
+        self._inject(rows, [r.frame + 1 for r in rows])
+        dev = self.device
+        slots = self._slots(rows)
+        code0 = self.code0[slots]
+        self.seen[slots, code0] = True
+        text = torch.tensor([r.text_id for r in rows], dtype=torch.int64, device=dev)
+        x = self.model.next_input(code0, self.rest[slots], text)
+        kv_len = max(self.host_position[r.slot] for r in rows) + 1
+        last = torch.zeros(len(rows), dtype=torch.int64, device=dev)
+        hidden, logits = self.model.talker(x, slots, self.position[slots, None], self.kv, kv_len, last=last)
+        self._inject(rows, [r.frame + 1 for r in rows], logits)
+        frame = torch.tensor([r.frame + 1 for r in rows], dtype=torch.int64, device=dev)
+        new_code0 = self._choose_code0(rows, slots, logits, frame)
+        self.hidden[slots], self.code0[slots] = hidden, new_code0
+        self.position[slots] += 1
+        for r in rows:
+            self.host_position[r.slot] += 1
+        return {"eos": new_code0 == self.model.eos_id, "bad": ~torch.isfinite(logits).all(dim=-1)}
+
+    def _codec(self, rows: list[RowPlan]) -> dict[str, Tensor]:
+        chunk = rows[0].chunk
+        slots = self._slots(rows)
+        first = torch.tensor([r.frame for r in rows], dtype=torch.int64, device=self.device)
+        index = first[:, None] + torch.arange(chunk, device=self.device)  # [B, chunk]
+        codes = self.frames[slots[:, None], index]  # [B, chunk, 16]
+        pcm = self.codec.decode_stream(codes.transpose(1, 2), self.codec_state, slots)  # [B, chunk * 1920]
+        return {"pcm": pcm.float(), "codes": codes}
+

@@ -1,0 +1,356 @@
+"""The scheduling policy: every iteration, one stage and a batch of the requests waiting at it.
+
+Plain Python, no torch, clock passed in. The policy (ARCHITECTURE.md 3):
+  1. Urgency: a request without audio yet is urgent from its arrival; a playing one only once the listener's
+     buffer would run dry within the safety lead (client acks, else 1x from the first send).
+  2. Anchor and fill: the most urgent runnable request picks the stage; the batch is filled with other requests
+     waiting there (urgent first, then by deadline) up to the stage's limit.
+  3. Nothing urgent: run the stage with the most waiting work (throughput mode), building slack.
+  4. Admission refuses what the cost model predicts cannot be served without hurting playing streams.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from engine.config import SchedulerConfig
+from engine.cost_model import CostModel
+from engine.model.config import ModelConfig
+from engine.model.prompt import Voice, build_prompt, text_track_id
+from engine.model.sampling_params import SamplingParams
+from engine.request import FRAME_S, ContextState, Request, RowPlan, Stage, StagePlan, StageResult
+
+SAMPLE_RATE = 24000
+STARVATION_S = 1.0  # a runnable request not served for this long is treated as urgent
+# Throughput mode breaks ties towards finishing work already in flight.
+STAGE_ORDER = (Stage.CODEC, Stage.CODE_PREDICTOR, Stage.TALKER, Stage.PREFILL)
+
+
+class AdmissionRefused(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+
+
+@dataclass(frozen=True)
+class Emit:
+    """Something the engine loop must deliver to a context: audio, a segment end, or the context's end."""
+
+    cid: int
+    kind: str  # "audio" | "segment_done" | "context_done"
+    segment: int = 0
+    pcm: object = None  # numpy float32 [n] for audio
+    codes: object = None  # numpy int64 [frames, 16] for audio
+    start_sample: int = 0
+    first_frame: int = 0
+    frames: int = 0
+    reason: str = ""
+    error: str | None = None
+
+
+@dataclass
+class ContextSetup:
+    voice: Voice
+    instruction: list[int] | None
+    layout: str
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, model_cfg: ModelConfig, timeline=None):
+        cfg.validate()
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.costs = CostModel()
+        self.timeline = timeline
+        self.contexts: dict[int, ContextState] = {}
+        self.setups: dict[int, ContextSetup] = {}
+        self.segments: dict[int, deque[Request]] = {}  # per context: head is the active segment
+        self.requests: dict[int, Request] = {}  # rid -> live request
+        self.free_slots = list(range(cfg.max_slots - 1, -1, -1))
+        self._ids = itertools.count(1)
+        self._last_served: dict[int, float] = {}
+        self.outbox: list[Emit] = []
+
+    # ------------------------------------------------------------------ context operations
+    def open_context(self, setup: ContextSetup, sampling: SamplingParams, now: float) -> int:
+        self._check_admission(now)
+        cid = next(self._ids)
+        ctx = ContextState(cid=cid, slot=self.free_slots.pop(), spec_prompt_key=None, sampling=sampling)
+        self.contexts[cid], self.setups[cid] = ctx, setup
+        self.segments[cid] = deque()
+        self._trace(cid, "admitted", now)
+        return cid
+
+    def _check_admission(self, now: float) -> None:
+        if not self.free_slots:
+            raise AdmissionRefused(f"all {self.cfg.max_slots} slots are in use")
+        waiting = sum(1 for r in self._heads() if r.first_audio_at is None and r.text_ids)
+        if waiting >= self.cfg.max_waiting_first_audio:
+            raise AdmissionRefused(f"{waiting} requests are already waiting for their first audio")
+        streams = len(self.contexts) + 1
+        predicted = self.costs.round_s(streams, self.cfg.chunk_ramp[-1])
+        if predicted is not None and predicted > self.cfg.admission_load * FRAME_S:
+            raise AdmissionRefused(f"predicted {predicted * 1e3:.1f} ms per 80 ms of audio for {streams} streams")
+
+    def _tail(self, cid: int, now: float) -> Request:
+        """The segment that new text goes to (created when the last one is complete)."""
+        queue, ctx = self.segments[cid], self.contexts[cid]
+        if queue and not queue[-1].text_complete:
+            return queue[-1]
+        setup = self.setups[cid]
+        seg = ctx.segments_started
+        ctx.segments_started += 1
+        sampling = ctx.sampling.with_overrides(seed=(ctx.sampling.seed + seg) % 2**63)
+        req = Request(rid=next(self._ids), context=ctx, segment=seg, arrival=now, layout=setup.layout,
+                      sampling=sampling)
+        queue.append(req)
+        self.requests[req.rid] = req
+        return req
+
+    def append_text(self, cid: int, ids: list[int], now: float) -> None:
+        if not ids or cid not in self.contexts:
+            return
+        req = self._tail(cid, now)
+        if not req.text_ids:
+            req.arrival = now  # time to first audio counts from the segment's first text
+            self._trace(cid, "first_text", now, segment=req.segment)
+        req.text_ids.extend(ids)
+
+    def end_segment(self, cid: int, words: int | None, now: float, close: bool = False) -> int | None:
+        """Flush (or close): the text so far is a complete segment. Returns its index, None if it had no text."""
+        ctx = self.contexts.get(cid)
+        if ctx is None:
+            return None
+        queue = self.segments[cid]
+        ended = None
+        if queue and not queue[-1].text_complete:
+            req = queue[-1]
+            if req.text_ids:
+                req.text_complete, req.words = True, words
+                ended = req.segment
+                self._apply_bench_length(req)
+            else:
+                queue.pop()  # an empty open segment: nothing to say
+                del self.requests[req.rid]
+                ctx.segments_started -= 1
+        if close:
+            ctx.closed = True
+            self._finish_context_if_idle(ctx, now)
+        return ended
+
+    def cancel(self, cid: int, now: float) -> None:
+        ctx = self.contexts.get(cid)
+        if ctx is None:
+            return
+        ctx.cancelled = True
+        self._end_context(ctx, "cancelled", now)
+
+    def playback(self, cid: int, played_ms: float, state: str, now: float) -> None:
+        ctx = self.contexts.get(cid)
+        if ctx is not None:
+            clock = ctx.clock
+            clock.ack_at, clock.ack_played_s, clock.ack_state = now, played_ms / 1000.0, state
+
+    def fail(self, cid: int, message: str, now: float) -> None:
+        ctx = self.contexts.get(cid)
+        if ctx is not None:
+            ctx.failed = message
+            self._end_context(ctx, "error", now, error=message)
+
+    # ------------------------------------------------------------------ planning
+    def _heads(self):
+        for queue in self.segments.values():
+            if queue:
+                yield queue[0]
+
+    def generation_stage(self, r: Request) -> Stage | None:
+        if r.done or not r.generating:
+            return None
+        if not r.prefilled:
+            ready = bool(r.text_ids) and (r.text_complete or r.layout == "dual")
+            return Stage.PREFILL if ready else None
+        if r.frames_made < r.code0_made:
+            return Stage.CODE_PREDICTOR
+        s = r.frames_made - 1
+        if text_track_id(self.model_cfg, r.text_ids, s, r.layout, r.text_complete) is None:
+            return None  # text-starved: never read padding before the text ends
+        return Stage.TALKER
+
+    def codec_chunk(self, r: Request) -> int:
+        pending = r.confirmed_frames() - r.frames_decoded
+        want = self.cfg.chunk_ramp[min(r.chunks, len(self.cfg.chunk_ramp) - 1)]
+        if pending >= want:
+            return want
+        final = r.stop_at is not None and r.confirmed_frames() == r.stop_at and r.code0_checked >= r.code0_made
+        return pending if final and pending > 0 else 0
+
+    def deadline(self, r: Request, now: float) -> float:
+        """When this request must next make progress: its arrival until its context plays audio, then the moment
+        the listener's buffer would run dry minus the safety lead. Starving requests age into urgency."""
+        empty = r.context.clock.buffer_empty_at()
+        d = r.arrival if empty is None else empty - self.cfg.safety_lead_s
+        served = self._last_served.get(r.rid, r.arrival)
+        return min(d, served + STARVATION_S)
+
+    def plan(self, now: float) -> StagePlan | None:
+        runnable: list[tuple[Request, Stage, int, float]] = []  # request, stage, codec chunk, deadline
+        for r in self._heads():
+            d = self.deadline(r, now)
+            chunk = self.codec_chunk(r)
+            if chunk:
+                runnable.append((r, Stage.CODEC, chunk, d))
+            stage = self.generation_stage(r)
+            if stage is not None:
+                runnable.append((r, stage, 0, d))
+        if not runnable:
+            return None
+        urgent = [x for x in runnable if x[3] <= now]
+        if urgent:
+            # The anchor's most useful next stage: audio if it can make some, else generation.
+            anchor = min(urgent, key=lambda x: (x[3], x[1] != Stage.CODEC))
+            stage, chunk = anchor[1], anchor[2]
+        else:
+            stage, chunk = self._throughput_stage(runnable)
+        members = [x for x in runnable if x[1] == stage and (stage != Stage.CODEC or x[2] == chunk)]
+        members.sort(key=lambda x: (x[3] > now, x[3]))
+        batch = [x[0] for x in members[: self.cfg.max_batch[stage.value]]]
+        rows = [self._advance(r, stage, chunk, now) for r in batch]
+        for r in batch:
+            self._last_served[r.rid] = now
+        return StagePlan(stage, rows)
+
+    def _throughput_stage(self, runnable) -> tuple[Stage, int]:
+        groups: dict[tuple[Stage, int], int] = {}
+        for _, stage, chunk, _ in runnable:
+            groups[(stage, chunk)] = groups.get((stage, chunk), 0) + 1
+        return max(groups, key=lambda k: (groups[k], -STAGE_ORDER.index(k[0]), k[1]))
+
+    def _eos_allowed(self, r: Request, code0_index: int) -> bool:
+        return code0_index >= r.sampling.min_frames and not self.cfg.bench_frames_per_word
+
+    def _advance(self, r: Request, stage: Stage, chunk: int, now: float) -> RowPlan:
+        if stage == Stage.PREFILL:
+            setup = self.setups[r.context.cid]
+            text = r.text_ids if r.layout == "whole" else r.text_ids[:1]
+            r.prompt = build_prompt(self.model_cfg, setup.voice, text, r.layout, setup.instruction)
+            r.prefilled, r.code0_made = True, 1
+            self._trace(r.context.cid, "prefill", now, segment=r.segment)
+            return RowPlan(r.rid, r.context.cid, r.slot, 0, prompt=r.prompt, sampling=r.sampling,
+                           eos_allowed=self._eos_allowed(r, 0))
+        if stage == Stage.CODE_PREDICTOR:
+            s = r.frames_made
+            r.frames_made += 1
+            if r.frames_made >= r.sampling.max_frames:
+                self._stop(r, r.frames_made, "max_frames")
+            self._apply_bench_length(r)
+            return RowPlan(r.rid, r.context.cid, r.slot, s)
+        if stage == Stage.TALKER:
+            s = r.frames_made - 1
+            text_id = text_track_id(self.model_cfg, r.text_ids, s, r.layout, r.text_complete)
+            r.code0_made += 1
+            return RowPlan(r.rid, r.context.cid, r.slot, s, text_id=text_id, eos_allowed=self._eos_allowed(r, s + 1))
+        first = r.frames_decoded
+        r.frames_decoded += chunk
+        r.chunks += 1
+        return RowPlan(r.rid, r.context.cid, r.slot, first, chunk=chunk)
+
+    def _stop(self, r: Request, frames: int, reason: str) -> None:
+        if r.stop_at is None or frames < r.stop_at:
+            r.stop_at, r.finish_reason = frames, reason
+
+    def _apply_bench_length(self, r: Request) -> None:
+        """Benchmark length mode: a complete segment ends after exactly N x words frames (at once if past)."""
+        n = self.cfg.bench_frames_per_word
+        if n and r.text_complete and r.words is not None and r.generating and r.frames_made >= max(n * r.words, 1):
+            self._stop(r, r.frames_made, "completed")
+
+    # ------------------------------------------------------------------ results
+    def update(self, result: StageResult, now: float) -> list[Emit]:
+        self.costs.observe(result.stage, len(result.rids), result.elapsed_s)
+        for i, rid in enumerate(result.rids):
+            r = self.requests.get(rid)
+            if r is None or r.done:
+                continue  # cancelled or failed since the step was planned
+            if result.failed and result.failed[i]:
+                self.fail(r.context.cid, result.failed[i], now)
+                continue
+            if result.eos is not None:
+                if result.eos[i] and r.eos_at is None:
+                    r.eos_at = r.code0_checked
+                    self._stop(r, r.eos_at, "completed")
+                r.code0_checked += 1
+            if result.pcm is not None:
+                self._emit_audio(r, result.pcm[i], result.codes[i], now)
+        for r in [h for h in self._heads() if h.stop_at is not None]:
+            self._finish_segment_if_done(r, now)
+        out, self.outbox = self.outbox, []
+        return out
+
+    def _emit_audio(self, r: Request, pcm, codes, now: float) -> None:
+        ctx = r.context
+        frames = codes.shape[0]
+        self.outbox.append(Emit(ctx.cid, "audio", r.segment, pcm=pcm, codes=codes, start_sample=ctx.audio_samples,
+                                first_frame=r.frames_emitted))
+        if r.first_audio_at is None:
+            r.first_audio_at = now
+            self._trace(ctx.cid, "first_audio", now, segment=r.segment)
+        r.frames_emitted += frames
+        ctx.audio_samples += len(pcm)
+        ctx.clock.delivered_s += len(pcm) / SAMPLE_RATE
+        if ctx.clock.first_sent_at is None:
+            ctx.clock.first_sent_at = now
+
+    def _finish_segment_if_done(self, r: Request, now: float) -> None:
+        if r.code0_checked < r.code0_made and r.eos_at is None:
+            return  # an EOS flag is still in flight: it could shorten the segment
+        if r.frames_emitted < r.stop_at:
+            return
+        r.done = True
+        ctx = r.context
+        self.segments[ctx.cid].popleft()
+        self.requests.pop(r.rid, None)
+        self._last_served.pop(r.rid, None)
+        ctx.last_reason = r.finish_reason
+        self.outbox.append(Emit(ctx.cid, "segment_done", r.segment, frames=r.stop_at, reason=r.finish_reason,
+                                start_sample=ctx.audio_samples))
+        self._trace(ctx.cid, "segment_done", now, segment=r.segment)
+        self._finish_context_if_idle(ctx, now)
+
+    def _finish_context_if_idle(self, ctx: ContextState, now: float) -> None:
+        if ctx.closed and not self.segments[ctx.cid]:
+            self._end_context(ctx, ctx.last_reason, now)
+
+    def _end_context(self, ctx: ContextState, reason: str, now: float, error: str | None = None) -> None:
+        for r in self.segments.pop(ctx.cid, ()):
+            r.done = True
+            self.requests.pop(r.rid, None)
+            self._last_served.pop(r.rid, None)
+        del self.contexts[ctx.cid]
+        del self.setups[ctx.cid]
+        self.free_slots.append(ctx.slot)
+        self.outbox.append(Emit(ctx.cid, "context_done", reason=reason, start_sample=ctx.audio_samples, error=error))
+        self._trace(ctx.cid, "done", now, reason=reason)
+
+    def drain_outbox(self) -> list[Emit]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict:
+        heads = list(self._heads())
+        waiting = {s.value: 0 for s in Stage}
+        for r in heads:
+            st = self.generation_stage(r)
+            if st is not None:
+                waiting[st.value] += 1
+            if self.codec_chunk(r):
+                waiting[Stage.CODEC.value] += 1
+        return {"contexts": len(self.contexts), "requests": len(self.requests), "free_slots": len(self.free_slots),
+                "waiting_first_audio": sum(1 for r in heads if r.first_audio_at is None and r.text_ids),
+                "text_starved": sum(1 for r in heads if r.prefilled and r.generating and
+                                    self.generation_stage(r) is None and not self.codec_chunk(r)),
+                "queue_depth": waiting}
+
+    def _trace(self, cid: int, name: str, now: float, **args) -> None:
+        if self.timeline is not None:
+            self.timeline.instant(cid, name, now, **args)
