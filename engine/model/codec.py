@@ -1,0 +1,248 @@
+"""Qwen3-TTS 12 Hz codec decoder (codes -> 24 kHz wave) with an exact streaming state.
+
+Data flow for codes [B, Q=16, T] (MODEL.md 1.4):
+  RVQ lookup (codebook 0 and 1..15 in two groups, each ending in a 1x1 conv) -> [B, codebook_dim, T]
+  -> causal pre_conv (k=3) -> [B, latent, T]
+  -> sliding-window causal transformer (window W=72 frames incl. the query, RoPE by absolute frame position)
+  -> 2x (causal transposed conv x2 + ConvNeXt) -> [B, latent, 4T]
+  -> causal conv k=7 -> 4 blocks (SnakeBeta, transposed conv x8/x5/x4/x3, 3 residual units) -> SnakeBeta
+  -> causal conv k=7 -> clamp [-1, 1] -> [B, 1, 1920 T]
+
+Every layer is causal, so a stream can be decoded a few frames at a time with a small state per stream
+(`CodecStreamState`): the post-RoPE keys/values of the last W-1 frames for each transformer layer, the frame
+position, and the input tail of every causal (transposed) convolution. `decode_stream` then gives the same samples
+as `forward` on the whole utterance (to float rounding) for any chunking, at any length. (The official package's
+`chunked_decode`, 300-frame chunks with 25 frames of context, is not exact past 300 frames.)
+
+Positions: RoPE uses the absolute frame position, as the official whole decode does (its rotary embedding has no
+limit at max_position_embeddings = 8000; attention only sees relative distances <= 71, so the absolute value
+matters only through fp32 rounding of the angle). `pos` is int64 and turned into fp32 for the angle, which is exact
+up to 2^24 frames (about 37 hours); a stream simply keeps counting past 8000 frames (checked equal to the whole
+decode at 8100 frames on a GPU).
+
+dtype: works in fp32 or bf16 (the state takes the weights' dtype). RMSNorm normalizes in fp32, softmax runs in
+fp32, RoPE cos/sin are computed in fp32 and cast; inv_freq stays fp32 even after `.to(bfloat16)` (the official
+module would round it to bf16 under `.to()`; loaded with from_pretrained(dtype=bf16) it keeps fp32, as here).
+
+Parameter names equal the official `Qwen3TTSTokenizerV2Decoder`: load the tensors of a checkpoint's
+`speech_tokenizer/model.safetensors` under the prefix `decoder.` (prefix stripped) with strict=True.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import Tensor, nn
+
+from engine.model.codec_layers import (
+    CausalConv1d,
+    CausalConvTranspose1d,
+    DecoderBlock,
+    SlidingTransformer,
+    SnakeBeta,
+    SplitRVQ,
+    TailIO,
+    UpsampleStage,
+)
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """`decoder_config` of speech_tokenizer/config.json; defaults are the real (every 12 Hz checkpoint) values."""
+
+    codebook_size: int = 2048
+    codebook_dim: int = 512
+    vector_quantization_hidden_dimension: int = 512
+    num_quantizers: int = 16
+    num_semantic_quantizers: int = 1
+    semantic_codebook_size: int = 4096  # unused by the decoder (both RVQ groups use codebook_size)
+    latent_dim: int = 1024
+    hidden_size: int = 512
+    intermediate_size: int = 1024
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 16
+    head_dim: int = 64
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8000  # informational: RoPE is computed for any absolute position
+    sliding_window: int = 72
+    layer_scale_initial_scale: float = 0.01
+    decoder_dim: int = 1536
+    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
+    upsampling_ratios: tuple[int, ...] = (2, 2)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CodecConfig:
+        """Build from a `decoder_config` dict (or a whole tokenizer config.json dict); unknown keys are ignored."""
+        if "decoder_config" in d:
+            d = d["decoder_config"]
+        names = {f.name for f in fields(cls)}
+        kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names}
+        return cls(**kw)
+
+    @property
+    def samples_per_frame(self) -> int:
+        return math.prod(self.upsample_rates) * math.prod(self.upsampling_ratios)
+
+
+@dataclass
+class CodecStreamState:
+    """Streaming state of `num_slots` streams, slot-major (dim 0 = slot), all on one device.
+
+    A slot at position p (frames decoded so far) holds in `k`/`v` the keys/values of frames p-W+1 .. p-1, oldest
+    first; entries at negative positions are zero and masked out. Conv tails start as zeros, which is exactly the
+    left zero padding of the whole-utterance decode."""
+
+    pos: Tensor  # [S] int64: frames already decoded = absolute position of the slot's next frame
+    k: Tensor  # [S, L, Hkv, W-1, head_dim] activation dtype: post-RoPE keys of the last W-1 frames, per layer
+    v: Tensor  # [S, L, Hkv, W-1, head_dim] activation dtype: values, same layout
+    tails: list[Tensor] = field(default_factory=list)  # each [S, C_i, H_i] activation dtype: the last H_i input
+    #   samples of causal (transposed) conv i, in module order; CodecDecoder.tail_shapes lists (C_i, H_i)
+
+    @property
+    def num_slots(self) -> int:
+        return self.pos.shape[0]
+
+    def nbytes_per_slot(self) -> int:
+        tensors = [self.pos, self.k, self.v, *self.tails]
+        return sum(t[0].numel() * t.element_size() for t in tensors)
+
+    def reset_(self, slots: Tensor) -> None:
+        """Clear `slots` (LongTensor [n], on the state's device) for new streams. No host sync."""
+        for t in (self.pos, self.k, self.v, *self.tails):
+            t.index_fill_(0, slots, 0)
+
+
+class CodecDecoder(nn.Module):
+    def __init__(self, config: CodecConfig):
+        super().__init__()
+        if config.num_semantic_quantizers != 1:
+            raise ValueError("the official decoder always splits the codebooks as 1 + rest")
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
+        if config.sliding_window < 2:
+            raise ValueError("sliding_window must be >= 2")
+        self.config = config
+        c = config
+        # Registration order mirrors the official module (state-dict order, randomize_codec_ draw order).
+        self.pre_transformer = SlidingTransformer(c)
+        self.quantizer = SplitRVQ(c.num_quantizers, c.codebook_dim // 2, c.codebook_size, c.codebook_dim)
+        self.pre_conv = CausalConv1d(c.codebook_dim, c.latent_dim, 3)
+        self.upsample = nn.ModuleList([UpsampleStage(c.latent_dim, f) for f in c.upsampling_ratios])
+        dims = [c.decoder_dim // 2**i for i in range(len(c.upsample_rates) + 1)]  # 1536, 768, 384, 192, 96
+        self.decoder = nn.ModuleList(
+            [CausalConv1d(c.latent_dim, c.decoder_dim, 7)]
+            + [DecoderBlock(dims[i], dims[i + 1], r) for i, r in enumerate(c.upsample_rates)]
+            + [SnakeBeta(dims[-1]), CausalConv1d(dims[-1], 1, 7)]
+        )
+        # Number the convolutions that need input history; (channels, history) per tail, in that order.
+        self.tail_shapes: list[tuple[int, int]] = []
+        for m in self.modules():
+            if isinstance(m, (CausalConv1d, CausalConvTranspose1d)) and m.history > 0:
+                m.tail_id = len(self.tail_shapes)
+                self.tail_shapes.append((m.conv.in_channels, m.history))
+
+    @property
+    def samples_per_frame(self) -> int:
+        return self.config.samples_per_frame
+
+    def _run(self, codes: Tensor, io: TailIO | None, pos: Tensor | None, kv):
+        """codes [B, Q, t] -> (wave [B, 1, t*spf], new kv or None)."""
+        if codes.shape[1] != self.config.num_quantizers:
+            raise ValueError(f"expected {self.config.num_quantizers} codebooks, got {codes.shape[1]}")
+        x = self.quantizer.decode(codes)  # [B, codebook_dim, t]
+        x = self.pre_conv(x, io)  # [B, latent, t]
+        x, kv = self.pre_transformer(x.transpose(1, 2), pos, kv)  # [B, t, latent]
+        x = x.transpose(1, 2)  # [B, latent, t]
+        for stage in self.upsample:
+            x = stage(x, io)  # [B, latent, t * prod(upsampling_ratios)]
+        for layer in self.decoder:
+            x = layer(x, io)  # ... -> [B, 1, t * spf]
+        return x.clamp(min=-1.0, max=1.0), kv
+
+    def forward(self, codes: Tensor) -> Tensor:
+        """Whole-utterance exact decode: codes LongTensor [B, Q, T] (values in [0, codebook_size)) ->
+        wave [B, 1, T * samples_per_frame]. Attention memory grows as T^2; use decode_stream for long audio."""
+        return self._run(codes, None, None, None)[0]
+
+    def new_stream_state(self, num_slots: int, device=None, dtype=None) -> CodecStreamState:
+        """Zeroed state for `num_slots` streams (default device/dtype: those of the weights)."""
+        p = next(self.parameters())
+        device = p.device if device is None else device
+        dtype = p.dtype if dtype is None else dtype
+        c = self.config
+        kv_shape = (num_slots, c.num_hidden_layers, c.num_key_value_heads, c.sliding_window - 1, c.head_dim)
+        return CodecStreamState(
+            pos=torch.zeros(num_slots, dtype=torch.int64, device=device),
+            k=torch.zeros(kv_shape, dtype=dtype, device=device),
+            v=torch.zeros(kv_shape, dtype=dtype, device=device),
+            tails=[torch.zeros(num_slots, ch, h, dtype=dtype, device=device) for ch, h in self.tail_shapes],
+        )
+
+    def decode_stream(self, codes: Tensor, state: CodecStreamState, slots: Tensor) -> Tensor:
+        """Decode t new frames for each of B streams: codes LongTensor [B, Q, t], slots LongTensor [B] (distinct,
+        on the state's device; rows may be at different positions). Reads and updates those slots of `state` in
+        place and returns wave [B, t * samples_per_frame]. Static shapes per (B, t), no host syncs, so a call can be
+        captured in a CUDA graph per (B, t) with static codes/slots buffers. Any t >= 1 works (also t > 72)."""
+        t = codes.shape[-1]
+        io = TailIO([tail.index_select(0, slots) for tail in state.tails])
+        pos = state.pos.index_select(0, slots)  # [B]
+        kv = (state.k.index_select(0, slots), state.v.index_select(0, slots))  # [B, L, Hkv, W-1, hd]
+        wave, (k, v) = self._run(codes, io, pos, kv)
+        for tail, new in zip(state.tails, io.out, strict=True):
+            tail.index_copy_(0, slots, new.to(tail.dtype))
+        state.k.index_copy_(0, slots, k.to(state.k.dtype))
+        state.v.index_copy_(0, slots, v.to(state.v.dtype))
+        state.pos.index_copy_(0, slots, pos + t)
+        return wave[:, 0]
+
+
+@torch.no_grad()
+def randomize_codec_(decoder: nn.Module, seed: int, gain: float = 0.65) -> nn.Module:
+    """Deterministic, non-degenerate random weights (the official init decodes every code to silence).
+
+    Draws come from a CPU torch.Generator in float64 and are cast, so a seed gives the same weights on every
+    machine and device. Conv / transposed conv / linear weights ~ N(0, gain^2 / fan_in) (transposed conv fan_in =
+    in_channels * kernel / stride), their biases ~ N(0, 0.01^2); SnakeBeta alpha, beta ~ N(0, 0.1^2); embedding_sum
+    ~ N(0, 1); cluster_usage ~ U(0.5, 2); LayerScale and ConvNeXt gamma ~ U(0.25, 0.5); norm weights ~ U(0.5, 1.5);
+    LayerNorm biases 0. Draw order follows the official module order, so the same seed gives the same weights as
+    shared/tools/reference_oracle.py's randomize_codec_decoder on the official decoder."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def normal_(t: Tensor, std: float) -> None:
+        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float64).mul_(std))
+
+    def uniform_(t: Tensor, lo: float, hi: float) -> None:
+        t.copy_(torch.rand(t.shape, generator=gen, dtype=torch.float64).mul_(hi - lo).add_(lo))
+
+    for m in decoder.modules():
+        if isinstance(m, nn.ConvTranspose1d):
+            fan_in = m.in_channels * m.kernel_size[0] / m.stride[0]
+        elif isinstance(m, nn.Conv1d):
+            fan_in = m.in_channels // m.groups * m.kernel_size[0]
+        elif isinstance(m, nn.Linear):
+            fan_in = m.in_features
+        else:
+            if isinstance(m, nn.LayerNorm) and m.bias is not None:
+                m.bias.zero_()
+            continue
+        normal_(m.weight, gain / math.sqrt(fan_in))
+        if m.bias is not None:
+            normal_(m.bias, 0.01)
+    for name, p in decoder.named_parameters():
+        if name.endswith(("alpha", "beta")):
+            normal_(p, 0.1)
+        elif name.endswith("embedding_sum"):
+            normal_(p, 1.0)
+        elif name.endswith("cluster_usage"):
+            uniform_(p, 0.5, 2.0)
+        elif name.endswith(("gamma", "scale")):
+            uniform_(p, 0.25, 0.5)
+        elif "norm" in name and name.endswith("weight"):
+            uniform_(p, 0.5, 1.5)
+    return decoder

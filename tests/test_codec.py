@@ -1,0 +1,245 @@
+"""Codec decoder: parity with the official Qwen3TTSTokenizerV2Decoder and exactness of the streaming state.
+
+Tiny geometry (as shared/tools/reference_oracle.py's tiny_codec_decoder_config) with the real upsampling, so one
+frame is 1920 samples; fp32 on the CPU. Streaming is compared with slices of one whole decode of 340 frames:
+the decoder is causal, so a prefix decodes to the prefix of the whole decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import qwen_oracle
+import torch
+
+from engine.model.codec import CodecConfig, CodecDecoder, randomize_codec_
+
+SPF = 1920
+N_LONG = 340  # > 300 (where the official chunked_decode stops being exact) and > 4 windows of 72
+STREAM_TOL = 1e-5
+OFFICIAL_TOL = 1e-4
+
+# decoder_config of speech_tokenizer/config.json (identical in every 12 Hz checkpoint)
+REAL_DECODER_CONFIG = {
+    "attention_bias": False, "latent_dim": 1024, "codebook_dim": 512, "codebook_size": 2048, "decoder_dim": 1536,
+    "hidden_act": "silu", "hidden_size": 512, "intermediate_size": 1024, "layer_scale_initial_scale": 0.01,
+    "max_position_embeddings": 8000, "head_dim": 64, "num_attention_heads": 16, "num_hidden_layers": 8,
+    "num_key_value_heads": 16, "num_quantizers": 16, "num_semantic_quantizers": 1, "semantic_codebook_size": 4096,
+    "vector_quantization_hidden_dimension": 512, "rms_norm_eps": 1e-05, "rope_theta": 10000, "sliding_window": 72,
+    "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2],
+}
+
+TINY = CodecConfig(codebook_dim=64, latent_dim=64, hidden_size=32, head_dim=8, num_attention_heads=4,
+                   num_key_value_heads=4, intermediate_size=64, num_hidden_layers=2, decoder_dim=96)
+
+
+def official_decoder(cfg: CodecConfig, attn: str = "eager"):
+    T = qwen_oracle.codec_modeling()
+    kw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    kw = {k: list(v) if isinstance(v, tuple) else v for k, v in kw.items()}
+    ocfg = T.Qwen3TTSTokenizerV2DecoderConfig(**kw)
+    ocfg._attn_implementation = attn
+    return T.Qwen3TTSTokenizerV2Decoder(ocfg).eval()
+
+
+@pytest.fixture(scope="module")
+def dec() -> CodecDecoder:
+    return randomize_codec_(CodecDecoder(TINY), seed=1234).eval()
+
+
+@pytest.fixture(scope="module")
+def codes() -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, 2048, (2, 16, N_LONG), generator=g)  # [2 utterances, 16, 340]
+
+
+@pytest.fixture(scope="module")
+def whole(dec, codes) -> torch.Tensor:
+    with torch.no_grad():
+        return dec(codes)[:, 0]  # [2, 340 * 1920]
+
+
+def stream(dec, codes, sizes, state=None, slots=None) -> torch.Tensor:
+    """Decode codes [B, 16, T] chunk by chunk (sizes), returning [B, sum(sizes) * 1920]."""
+    B = codes.shape[0]
+    state = dec.new_stream_state(B) if state is None else state
+    slots = torch.arange(B) if slots is None else slots
+    out, t0 = [], 0
+    with torch.no_grad():
+        for n in sizes:
+            out.append(dec.decode_stream(codes[..., t0:t0 + n], state, slots))
+            t0 += n
+    return torch.cat(out, dim=-1)
+
+
+def ramp(total: int, steps=(1, 2, 4, 8), tail: int = 12) -> list[int]:
+    sizes = []
+    while sum(sizes) < total:
+        sizes.append(steps[len(sizes)] if len(sizes) < len(steps) else tail)
+    sizes[-1] -= sum(sizes) - total
+    return sizes
+
+
+def maxdiff(a, b) -> float:
+    return (a - b).abs().max().item()
+
+
+# --------------------------------------------------------------------------------------------- config
+
+
+def test_config_from_dict_and_samples_per_frame():
+    cfg = CodecConfig.from_dict({**REAL_DECODER_CONFIG, "unknown_key": 1})
+    assert cfg == CodecConfig()
+    assert cfg.upsample_rates == (8, 5, 4, 3) and cfg.samples_per_frame == 1920
+    assert CodecConfig.from_dict({"decoder_config": REAL_DECODER_CONFIG}) == cfg
+    assert TINY.samples_per_frame == SPF
+
+
+@pytest.mark.parametrize("cfg", [TINY, CodecConfig()], ids=["tiny", "real"])
+def test_state_dict_keys_and_shapes_equal_official(cfg):
+    with torch.device("meta"):
+        ours, official = CodecDecoder(cfg), official_decoder(cfg)
+    a, b = ours.state_dict(), official.state_dict()
+    assert list(a) == list(b)
+    assert {k: tuple(v.shape) for k, v in a.items()} == {k: tuple(v.shape) for k, v in b.items()}
+
+
+def test_rope_inv_freq_stays_fp32():
+    d = CodecDecoder(TINY).to(torch.bfloat16)
+    assert d.pre_transformer.rotary_emb.inv_freq.dtype == torch.float32
+    assert "pre_transformer.rotary_emb.inv_freq" not in d.state_dict()
+
+
+# ------------------------------------------------------------------------------------ official parity
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_whole_decode_matches_official(dec, codes, whole, attn):
+    official = official_decoder(TINY, attn)
+    official.load_state_dict(dec.state_dict(), strict=True)
+    n = 90  # beyond the 72-frame window, so the window boundary is exercised
+    with torch.no_grad():
+        ref = official(codes[..., :n])[:, 0]
+    assert ref.shape == (2, n * SPF)
+    assert maxdiff(whole[:, : n * SPF], ref) < OFFICIAL_TOL
+
+
+def test_bf16_whole_decode_matches_official(dec, codes):
+    """bf16 numerics mirror the official ops (fp32 norm/softmax/RoPE tables, same op order)."""
+    official = official_decoder(TINY, "eager")
+    official.load_state_dict(dec.state_dict(), strict=True)
+    official = official.to(torch.bfloat16)
+    rot = official.pre_transformer.rotary_emb
+    rot.inv_freq = rot.original_inv_freq.float()  # what from_pretrained(dtype=bf16) keeps; .to() rounded it
+    ours = CodecDecoder(TINY).eval()
+    ours.load_state_dict(dec.state_dict())
+    ours = ours.to(torch.bfloat16)
+    n = 80
+    with torch.no_grad():
+        ref, got = official(codes[..., :n]).float(), ours(codes[..., :n]).float()
+    assert maxdiff(got, ref) < 2e-3  # bf16 vs fp32 differs by ~1e-2 here; equal ops give ~0
+
+
+def test_output_is_audible_and_unclamped(whole):
+    assert 0.03 < whole.std().item() < 0.2
+    assert (whole.abs() >= 1).float().mean().item() < 0.01
+    per_frame = whole.view(2, N_LONG, SPF).std(-1)  # every frame carries signal
+    assert per_frame.min().item() > 0.005
+
+
+def test_window_boundary_matters(dec, codes, whole):
+    """A decoder whose window is one frame off agrees before frame 72 and clearly differs after it, so the exact
+    streaming comparisons below (which run far past frame 72) would catch an off-by-one in the KV window."""
+    n = 100
+    for w in (71, 73):
+        other = CodecDecoder(dataclasses.replace(TINY, sliding_window=w)).eval()
+        other.load_state_dict(dec.state_dict())
+        with torch.no_grad():
+            out = other(codes[:1, :, :n])[0, 0]
+        cut = (min(w, 72)) * SPF
+        assert maxdiff(out[:cut], whole[0, :cut]) < STREAM_TOL
+        assert maxdiff(out[cut:], whole[0, cut: n * SPF]) > 1e-3
+
+
+# ------------------------------------------------------------------------------------------ streaming
+
+
+def test_stream_frame_by_frame(dec, codes, whole):
+    n = 160  # more than two windows
+    got = stream(dec, codes[..., :n], [1] * n)
+    assert maxdiff(got, whole[:, : n * SPF]) < STREAM_TOL
+
+
+@pytest.mark.parametrize("chunk", [2, 4, 8, 12])
+def test_stream_fixed_chunks(dec, codes, whole, chunk):
+    n = 120 if chunk < 8 else 168
+    got = stream(dec, codes[..., :n], [chunk] * (n // chunk))
+    assert maxdiff(got, whole[:, : n * SPF]) < STREAM_TOL
+
+
+def test_stream_ramp_past_300_frames(dec, codes, whole):
+    sizes = ramp(N_LONG)  # 1, 2, 4, 8, 12, 12, ..., 340 frames in all
+    got = stream(dec, codes, sizes)
+    assert maxdiff(got, whole) < STREAM_TOL
+
+
+def test_stream_chunks_longer_than_window(dec, codes, whole):
+    sizes = [3, 80, 1, 100, 7]  # chunks that span more than 72 frames by themselves
+    n = sum(sizes)
+    got = stream(dec, codes[..., :n], sizes)
+    assert maxdiff(got, whole[:, : n * SPF]) < STREAM_TOL
+
+
+def test_stream_slots_at_different_positions_and_reset(dec, codes, whole):
+    """Two utterances in slots 3 and 1 of a 4-slot state, 45 frames apart, batched together (rows in either
+    order); then slot 3 is reset and reused for a fresh decode while slot 1 keeps going."""
+    state = dec.new_stream_state(4)
+    a, b = codes[0:1], codes[1:2]
+    lag = 45
+    out_a = [stream(dec, a[..., :lag], ramp(lag, tail=8), state, torch.tensor([3]))]
+    out_b = []
+    pa, pb = lag, 0
+    with torch.no_grad():
+        for i, n in enumerate([1, 1, 4, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12]):
+            if i % 2:
+                w = dec.decode_stream(torch.cat([a[..., pa:pa + n], b[..., pb:pb + n]]), state, torch.tensor([3, 1]))
+                wa, wb = w[0:1], w[1:2]
+            else:
+                w = dec.decode_stream(torch.cat([b[..., pb:pb + n], a[..., pa:pa + n]]), state, torch.tensor([1, 3]))
+                wb, wa = w[0:1], w[1:2]
+            out_a.append(wa)
+            out_b.append(wb)
+            pa, pb = pa + n, pb + n
+    assert state.pos.tolist() == [0, pb, 0, pa]
+    assert pa > 72 + lag
+    assert maxdiff(torch.cat(out_a, -1)[0], whole[0, : pa * SPF]) < STREAM_TOL
+    assert maxdiff(torch.cat(out_b, -1)[0], whole[1, : pb * SPF]) < STREAM_TOL
+
+    # Reuse slot 3 for utterance b from the start; slot 1 continues utterance b where it was.
+    state.reset_(torch.tensor([3]))
+    assert state.pos.tolist() == [0, pb, 0, 0]
+    fresh, cont, p0 = [], [], pb
+    with torch.no_grad():
+        for n in (1, 2, 4, 8, 12, 12, 12, 12, 12):
+            w = dec.decode_stream(torch.cat([b[..., p0 - pb:p0 - pb + n], b[..., p0:p0 + n]]), state,
+                                  torch.tensor([3, 1]))
+            fresh.append(w[0])
+            cont.append(w[1])
+            p0 += n
+    n_fresh = p0 - pb
+    assert maxdiff(torch.cat(fresh), whole[1, : n_fresh * SPF]) < STREAM_TOL
+    assert maxdiff(torch.cat(cont), whole[1, pb * SPF: p0 * SPF]) < STREAM_TOL
+
+
+def test_bf16_runs_and_stays_close(dec, codes, whole):
+    d16 = CodecDecoder(TINY).eval()
+    d16.load_state_dict(dec.state_dict())
+    d16 = d16.to(torch.bfloat16)
+    n = 20
+    with torch.no_grad():
+        ref16 = d16(codes[:, :, :n])[:, 0]
+    got = stream(d16, codes[..., :n], [1, 2, 4, 8, 5])
+    assert got.dtype == torch.bfloat16 and ref16.dtype == torch.bfloat16
+    assert maxdiff(got.float(), ref16.float()) < 0.05
+    assert maxdiff(got.float(), whole[:, : n * SPF]) < 0.1
