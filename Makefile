@@ -1,0 +1,49 @@
+# voicelane: the two commands that matter are `make serve` and `make test`. Both set everything up first.
+VENV    ?= .venv
+PYTHON  ?= python3
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip install --disable-pip-version-check -q
+TORCH   ?= torch==2.13.0
+ARGS    ?=
+
+.PHONY: setup system-deps test-deps serve test lint clean
+
+# System libraries: libopus for Opus audio. Installed with apt when missing and we are root (CI, containers).
+system-deps:
+	@if ! ldconfig -p 2>/dev/null | grep -q libopus.so.0; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopus0 >/dev/null; \
+		else echo "libopus is missing: run 'sudo apt-get install libopus0' (Opus output needs it)"; fi; fi
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) $(TORCH)
+	$(PIP) -e '.[server]'
+	# The real Qwen BPE ranks (qwen.tiktoken) ship in the dashscope wheel; only that file is read.
+	$(PIP) --no-deps dashscope==2.0.2
+	touch $@
+
+setup: system-deps $(VENV)/.installed
+
+$(VENV)/.test-installed: $(VENV)/.installed
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v opusinfo >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq opus-tools >/dev/null; fi
+	$(PIP) -e '.[test]'
+	# The official package is the parity oracle; its heavy audio deps are stubbed by tests/qwen_oracle.py.
+	$(PIP) transformers==4.57.3 einops==0.8.2
+	$(PIP) --no-deps qwen-tts==0.1.1
+	touch $@
+
+test-deps: setup $(VENV)/.test-installed
+
+serve: setup
+	$(PY) -m server serve $(ARGS)
+
+lint: test-deps
+	$(PY) -m ruff check .
+
+test: test-deps lint
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
