@@ -46,8 +46,9 @@ def test_dialect_speakers_override_chinese_and_auto_only():
     assert resolve_voice(CFG, "dylan", "english").language_id == 2050
 
 
-@pytest.mark.parametrize("voice,language,code", [("nobody", "en", "unknown_voice"), ("ryan", "klingon", "unknown_language"),
-                                                  ("ryan", "beijing_dialect", "unknown_language")])
+@pytest.mark.parametrize("voice,language,code", [
+    ("nobody", "en", "unknown_voice"), ("ryan", "klingon", "unknown_language"),
+    ("ryan", "beijing_dialect", "unknown_language")])
 def test_bad_voice_or_language_is_a_typed_error(voice, language, code):
     with pytest.raises(PromptError) as err:
         resolve_voice(CFG, voice, language)
