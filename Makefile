@@ -30,7 +30,7 @@ $(VENV)/.test-installed: $(VENV)/.installed
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq opus-tools >/dev/null; fi
 	$(PIP) -e '.[test]'
 	# The official package is the parity oracle; its heavy audio deps are stubbed by tests/qwen_oracle.py.
-	$(PIP) transformers==4.57.3 einops==0.8.2
+	$(PIP) transformers==4.57.3 einops==0.8.2 tiktoken==0.14.0
 	$(PIP) --no-deps qwen-tts==0.1.1
 	touch $@
 

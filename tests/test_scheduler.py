@@ -1,0 +1,232 @@
+"""Scheduler policy on the CPU with fabricated stage results and a fake clock (no model, no torch)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from engine.config import SchedulerConfig
+from engine.core import EngineCore
+from engine.model.config import ModelConfig
+from engine.model.presets import model_config
+from engine.model.prompt import resolve_voice
+from engine.model.sampling_params import SamplingParams
+from engine.request import Stage, StagePlan, StageResult
+from engine.scheduler import AdmissionRefused, ContextSetup, Scheduler
+from engine.trace import Timeline
+
+MODEL = ModelConfig.from_dict(model_config("tiny"))
+SPF = 1920
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+@dataclass
+class FakePending:
+    plan: StagePlan
+    started: float
+
+
+class FakeRunner:
+    """Fabricates stage results. EOS comes at a chosen code-0 index per context; audio samples carry the frame."""
+
+    def __init__(self, clock: Clock, eos_at: dict[int, int] | None = None, step_s: float = 0.002):
+        self.clock, self.eos_at, self.step_s = clock, eos_at or {}, step_s
+        self.plans: list[StagePlan] = []
+
+    def launch(self, plan):
+        self.plans.append(plan)
+        self.clock.t += self.step_s
+        return FakePending(plan, self.clock.t)
+
+    def collect(self, pending):
+        plan = pending.plan
+        res = StageResult(plan.stage, [r.rid for r in plan.rows], self.step_s)
+        res.failed = [None] * len(plan.rows)
+        if plan.stage in (Stage.PREFILL, Stage.TALKER):
+            index = [0 if plan.stage == Stage.PREFILL else r.frame + 1 for r in plan.rows]
+            res.eos = [self.eos_at.get(r.cid) == i for r, i in zip(plan.rows, index, strict=True)]
+        if plan.stage == Stage.CODEC:
+            res.codes = [np.repeat(np.arange(r.frame, r.frame + r.chunk)[:, None], 16, 1) for r in plan.rows]
+            res.pcm = [np.repeat(np.arange(r.frame, r.frame + r.chunk), SPF).astype(np.float32) for r in plan.rows]
+        return res
+
+
+def make(cfg: SchedulerConfig | None = None, eos_at=None):
+    clock = Clock()
+    sched = Scheduler(cfg or SchedulerConfig(max_slots=16), MODEL, Timeline())
+    runner = FakeRunner(clock, eos_at)
+    emitted = []
+    core = EngineCore(sched, runner, emitted.extend, sched.timeline, clock)
+    return sched, core, runner, clock, emitted
+
+
+def open_ctx(sched, clock, words=3, close=True, max_frames=50, layout="dual", min_frames=2):
+    setup = ContextSetup(resolve_voice(MODEL, "ryan", "english"), None, layout)
+    cid = sched.open_context(setup, SamplingParams(max_frames=max_frames, min_frames=min_frames), clock())
+    if words:
+        sched.append_text(cid, list(range(100, 100 + words)), clock())
+    if close:
+        sched.end_segment(cid, words, clock(), close=True)
+    return cid
+
+
+def audio(emitted, cid):
+    return [e for e in emitted if e.cid == cid and e.kind == "audio"]
+
+
+def test_burst_of_arrivals_is_prefilled_together_and_all_get_audio():
+    sched, core, runner, clock, emitted = make(eos_at={})
+    cids = [open_ctx(sched, clock, max_frames=8) for _ in range(10)]
+    core.step()
+    assert runner.plans[0].stage == Stage.PREFILL and len(runner.plans[0].rows) == 10
+    core.run_until_idle()
+    for cid in cids:
+        frames = [int(f) for e in audio(emitted, cid) for f in e.codes[:, 0]]
+        assert frames == list(range(8))  # in order, nothing lost, nothing twice
+        done = [e for e in emitted if e.cid == cid and e.kind == "context_done"]
+        assert len(done) == 1 and done[0].reason == "max_frames"
+    assert sched.stats()["contexts"] == 0 and sched.stats()["free_slots"] == 16
+
+
+def test_eos_read_one_iteration_late_drops_the_speculative_frame():
+    sched, core, runner, clock, emitted = make(eos_at={})
+    cid = open_ctx(sched, clock, max_frames=40)
+    runner.eos_at[cid] = 5  # code 0 of frame 5 is EOS: the segment has frames 0..4
+    core.run_until_idle()
+    frames = [int(f) for e in audio(emitted, cid) for f in e.codes[:, 0]]
+    assert frames == [0, 1, 2, 3, 4]
+    cp_frames = [r.frame for p in runner.plans if p.stage == Stage.CODE_PREDICTOR for r in p.rows]
+    assert max(cp_frames) <= 5  # at most one wasted frame past EOS
+    assert [e.reason for e in emitted if e.kind == "context_done"] == ["completed"]
+
+
+def test_text_starved_request_waits_and_never_reads_padding():
+    sched, core, runner, clock, emitted = make()
+    starved = open_ctx(sched, clock, words=2, close=False, max_frames=30)
+    other = open_ctx(sched, clock, words=3, max_frames=6)
+    for _ in range(40):
+        core.step()
+    talker_rows = [r for p in runner.plans if p.stage == Stage.TALKER for r in p.rows if r.cid == starved]
+    assert [r.text_id for r in talker_rows] == [101]  # step 0 read text[1]; step 1 needs text[2]: waiting
+    assert sched.stats()["text_starved"] == 1
+    assert any(e.kind == "context_done" for e in emitted if e.cid == other)  # the other context went on
+    sched.append_text(starved, [102, 103], clock())
+    sched.end_segment(starved, 4, clock(), close=True)
+    core.run_until_idle()
+    talker_rows = [r for p in runner.plans if p.stage == Stage.TALKER for r in p.rows if r.cid == starved]
+    assert [r.text_id for r in talker_rows][:4] == [101, 102, 103, MODEL.tts_eos_id]
+    assert all(r.text_id is not None for r in talker_rows)
+
+
+def test_stream_about_to_underrun_is_the_anchor():
+    sched, core, runner, clock, emitted = make(SchedulerConfig(max_slots=8, safety_lead_s=0.1))
+    calm, urgent = open_ctx(sched, clock, max_frames=200), open_ctx(sched, clock, max_frames=200)
+    for _ in range(30):
+        core.step()
+    # Both play; the listener of `urgent` has almost nothing left, `calm` has plenty.
+    now = clock()
+    sched.playback(calm, 0.0, "playing", now)
+    delivered = sched.contexts[urgent].clock.delivered_s
+    sched.playback(urgent, delivered * 1000 - 50, "playing", now)  # 50 ms left < 100 ms safety lead
+    r_calm, r_urgent = sched.segments[calm][0], sched.segments[urgent][0]
+    assert sched.deadline(r_urgent, now) <= now < sched.deadline(r_calm, now)
+    preferred = Stage.CODEC if sched.codec_chunk(r_urgent) else sched.generation_stage(r_urgent)
+    plan = sched.plan(now)
+    assert plan.stage == preferred and plan.rows[0].cid == urgent
+
+
+def test_throughput_mode_when_nothing_is_urgent_runs_the_biggest_group():
+    sched, core, runner, clock, emitted = make()
+    cids = [open_ctx(sched, clock, max_frames=100) for _ in range(3)]
+    for _ in range(12):
+        core.step()
+    for cid in cids:  # everyone has a deep buffer: nothing is urgent
+        sched.contexts[cid].clock.first_sent_at = clock() + 100
+    plan = sched.plan(clock())
+    waiting = sched.stats()["queue_depth"]
+    assert len(plan.rows) >= max(waiting.values())
+
+
+def test_cancel_mid_batch_frees_the_slot_and_emits_nothing_after():
+    sched, core, runner, clock, emitted = make()
+    a, b = open_ctx(sched, clock, max_frames=30), open_ctx(sched, clock, max_frames=10)
+    for _ in range(8):
+        core.step()
+    assert core.in_flight is not None and a in [r.cid for r in core.in_flight.plan.rows]
+    sched.cancel(a, clock())
+    emitted.extend(sched.drain_outbox())
+    cancelled_at = len(emitted)
+    core.run_until_idle()
+    assert [e.kind for e in emitted if e.cid == a][-1] == "context_done"
+    assert not [e for e in emitted[cancelled_at:] if e.cid == a]
+    assert [e.reason for e in emitted if e.cid == b and e.kind == "context_done"] == ["max_frames"]
+    assert sched.stats()["free_slots"] == 16 and not sched.requests
+
+
+def test_admission_refuses_when_slots_or_predicted_time_run_out():
+    sched, core, runner, clock, emitted = make(SchedulerConfig(max_slots=2))
+    open_ctx(sched, clock), open_ctx(sched, clock)
+    with pytest.raises(AdmissionRefused, match="slots"):
+        open_ctx(sched, clock)
+    sched2, *_ = make(SchedulerConfig(max_slots=64, admission_load=0.8))
+    for batch in (1, 4, 8):  # 30 ms per Talker or Code Predictor step: three streams already fill 80 ms
+        for stage in (Stage.TALKER, Stage.CODE_PREDICTOR):
+            sched2.costs.observe(stage, batch, 0.030 + 0.001 * batch)
+    open_ctx(sched2, Clock())
+    with pytest.raises(AdmissionRefused, match="predicted"):
+        open_ctx(sched2, Clock())
+
+
+def test_no_stream_starves_under_random_load():
+    rng = random.Random(4)
+    cfg = SchedulerConfig(max_slots=16, max_batch={"prefill": 2, "talker": 3, "code_predictor": 3, "codec": 2})
+    clock = Clock()
+    sched = Scheduler(cfg, MODEL, Timeline())
+    runner = FakeRunner(clock)
+    served: dict[int, list[float]] = {}
+
+    def deliver(emits):
+        for e in emits:
+            served.setdefault(e.cid, []).append(clock())
+            if e.kind == "context_done":
+                served[e.cid].append(-1.0)
+
+    core = EngineCore(sched, runner, deliver, sched.timeline, clock)
+    cids = []
+    for _ in range(300):
+        if len(sched.contexts) < 12 and rng.random() < 0.3:
+            cids.append(open_ctx(sched, clock, words=rng.randint(1, 6), max_frames=rng.randint(3, 25)))
+            served.setdefault(cids[-1], []).append(clock())
+        core.step()
+        clock.t += rng.random() * 0.01
+    core.run_until_idle()
+    for cid in cids:
+        times = served[cid]
+        assert times[-1] == -1.0, f"context {cid} never finished"
+        gaps = np.diff(times[:-1])
+        assert gaps.max() < 1.5, f"context {cid} waited {gaps.max():.2f} s between outputs"
+    assert sched.stats()["contexts"] == 0 and sched.stats()["free_slots"] == 16
+
+
+def test_timeline_exports_chrome_trace():
+    sched, core, runner, clock, emitted = make()
+    cid = open_ctx(sched, clock, max_frames=4)
+    sched.timeline.name_context(cid, "trace-abc")
+    core.run_until_idle()
+    names = [e["name"] for e in sched.timeline.for_context(cid)]
+    for milestone in ("admitted", "first_text", "prefill", "first_audio", "segment_done", "done"):
+        assert milestone in names
+    import json
+
+    trace = json.loads(sched.timeline.chrome_trace())
+    assert any(e.get("ph") == "X" and e["name"] == "codec" for e in trace["traceEvents"])
