@@ -60,11 +60,15 @@ class CodePredictor(nn.Module):
         device, dtype = hidden.device, hidden.dtype
         cache = cache if cache is not None else self.new_cache(B, device, dtype)
         rows = torch.arange(B, device=device)
+        # Positions are the same every frame: build RoPE tables and masks for all 16 once, slice per forward.
+        every = AttentionBatch.build(self.cfg, rows, torch.arange(self.positions, device=device).expand(B, -1),
+                                     self.positions, dtype)
         x = self.small_to_mtp_projection(torch.stack((hidden, code0_embedding), dim=1))  # [B, 2, H_cp]
-        positions = torch.arange(2, device=device).expand(B, 2)
         codes, logits_seen = [], []
         for group in range(1, self.groups + 1):
-            batch = AttentionBatch.build(self.cfg, rows, positions, self.positions, dtype)
+            span = slice(0, 2) if group == 1 else slice(group, group + 1)
+            batch = AttentionBatch(rows, every.positions[:, span], every.mask[:, :, span], every.cos[:, span],
+                                   every.sin[:, span])
             h = self.model.run(x, batch, cache)[:, -1]  # [B, H_cp]
             logits = self.lm_head[group - 1](h).float()  # [B, V]
             code = choose(group, logits)
@@ -75,7 +79,6 @@ class CodePredictor(nn.Module):
                 logits_seen.append(logits)
             if group < self.groups:
                 x = self.small_to_mtp_projection(self.model.codec_embedding[group - 1](code))[:, None]  # [B, 1, H_cp]
-                positions = torch.full((B, 1), group + 1, device=device, dtype=torch.int64)
         return torch.stack(codes, dim=1), (torch.stack(logits_seen, dim=1) if keep_logits else None)
 
     def code_embeddings(self, codes: Tensor) -> list[Tensor]:

@@ -1,0 +1,270 @@
+"""The streaming engine end to end on the CPU with the tiny checkpoint: batching, streaming text, segments,
+cancel, faults, lengths, and that nothing is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from engine.api import AudioChunk, ContextDone, ContextSpec, Overloaded, SegmentDone
+from engine.config import EngineConfig, SchedulerConfig
+from engine.engine import Engine
+from engine.model.sampling_params import SamplingParams
+
+TEXT = list(range(3000, 3014))  # 14 text tokens
+GREEDY = SamplingParams(temperature=0.0, sub_temperature=0.0, max_frames=16)
+
+
+def make_engine(model, **sched) -> Engine:
+    sched.setdefault("max_slots", 20)
+    sched.setdefault("admission_load", 1e6)  # CPU tests: never refuse for speed
+    engine = Engine(model, EngineConfig(scheduler=SchedulerConfig(**sched), max_frames=64, max_prompt_tokens=96))
+    engine.start()
+    return engine
+
+
+@pytest.fixture
+def engine(tiny_model):
+    e = make_engine(tiny_model)
+    yield e
+    e.stop()
+
+
+async def speak(engine, text=TEXT, sampling=GREEDY, words_delay=None, layout="dual", rng=None, segments=None,
+                voice="ryan"):
+    """Feed text (all at once, or token by token with random pauses), close, collect events."""
+    ctx = engine.open_context(ContextSpec(voice=voice, language="english", sampling=sampling, text_layout=layout))
+    for seg_text in segments or [text]:
+        if words_delay is None:
+            ctx.append_text(seg_text)
+        else:
+            for tok in seg_text:
+                ctx.append_text([tok])
+                await asyncio.sleep(rng.random() * words_delay)
+        if segments:
+            ctx.flush(words=len(seg_text))
+    ctx.close(words=len(text))
+    events = [ev async for ev in ctx.events()]
+    return ctx, events
+
+
+def codes_of(events, segment=None):
+    chunks = [e.codes for e in events if isinstance(e, AudioChunk) and (segment is None or e.segment == segment)]
+    return np.concatenate(chunks) if chunks else np.zeros((0, 16), np.int64)
+
+
+def pcm_of(events):
+    return np.concatenate([e.pcm for e in events if isinstance(e, AudioChunk)])
+
+
+def test_batch_invariance_greedy_and_seeded_sampling(engine):
+    rng = random.Random(0)
+    specs = []
+    for i in range(16):
+        sampling = GREEDY if i % 2 else SamplingParams(seed=1000 + i, max_frames=16)
+        specs.append((TEXT[: rng.randint(3, 14)], sampling.with_overrides(max_frames=rng.randint(6, 16))))
+
+    async def main():
+        together = await asyncio.gather(*(speak(engine, t, s) for t, s in specs))
+        alone = [await speak(engine, t, s) for t, s in specs]
+        return together, alone
+
+    together, alone = asyncio.run(main())
+    for (_, ev_together), (_, ev_alone), (_, s) in zip(together, alone, specs, strict=True):
+        a, b = codes_of(ev_together), codes_of(ev_alone)
+        assert a.shape[0] == s.max_frames and np.array_equal(a, b)
+    assert not np.array_equal(codes_of(together[0][1]), codes_of(together[2][1]))  # seeds matter
+
+
+def test_streamed_text_equals_whole_text(engine):
+    async def main():
+        whole = await speak(engine)
+        streamed = await speak(engine, words_delay=0.03, rng=random.Random(1))
+        return whole, streamed
+
+    (_, whole), (_, streamed) = asyncio.run(main())
+    assert codes_of(whole).shape[0] == 16
+    assert np.array_equal(codes_of(whole), codes_of(streamed))
+
+
+@pytest.mark.parametrize("ramp", [(1, 2, 4, 8, 12), (1,), (3, 5), (12,)])
+def test_streamed_audio_equals_whole_decode(tiny_model, ramp):
+    engine = make_engine(tiny_model, chunk_ramp=ramp)
+    try:
+        _, events = asyncio.run(speak(engine, sampling=GREEDY.with_overrides(max_frames=29)))
+    finally:
+        engine.stop()
+    codes = codes_of(events)
+    starts = [e.start_sample for e in events if isinstance(e, AudioChunk)]
+    sizes = [len(e.pcm) for e in events if isinstance(e, AudioChunk)]
+    assert starts == list(np.cumsum([0] + sizes[:-1]))  # one gapless timeline
+    with torch.inference_mode():
+        whole = tiny_model.codec(torch.from_numpy(codes).T[None]).flatten().numpy()
+    assert np.abs(pcm_of(events) - whole).max() < 1e-5
+
+
+def test_segments_share_one_timeline_and_reseed(engine):
+    seg_a, seg_b = TEXT[:5], TEXT[5:11]
+    sampling = SamplingParams(seed=77, max_frames=10)
+
+    async def main():
+        both = await speak(engine, segments=[seg_a, seg_b], sampling=sampling)
+        first = await speak(engine, seg_a, sampling)
+        second = await speak(engine, seg_b, sampling.with_overrides(seed=78))
+        return both, first, second
+
+    (_, both), (_, first), (_, second) = asyncio.run(main())
+    assert np.array_equal(codes_of(both, 0), codes_of(first))
+    assert np.array_equal(codes_of(both, 1), codes_of(second))
+    done = [e for e in both if isinstance(e, SegmentDone)]
+    assert [d.segment for d in done] == [0, 1]
+    seg1_first_chunk = next(e for e in both if isinstance(e, AudioChunk) and e.segment == 1)
+    assert seg1_first_chunk.start_sample == done[0].end_sample == 10 * 1920
+    assert isinstance(both[-1], ContextDone) and both[-1].audio_samples == 20 * 1920
+
+
+def test_lengths_min_max_and_benchmark_mode(tiny_model):
+    engine = make_engine(tiny_model, bench_frames_per_word=3)
+    try:
+        async def main():
+            ctx = engine.open_context(ContextSpec(voice="ryan", sampling=SamplingParams(seed=1, max_frames=50)))
+            ctx.append_text(TEXT[:6])
+            await asyncio.sleep(0.3)  # while the text is open, the end of speech is masked
+            ctx.close(words=4)
+            return [ev async for ev in ctx.events()]
+
+        events = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert codes_of(events).shape[0] == 12  # exactly 3 frames x 4 words
+    assert events[-1].reason == "completed"
+    engine = make_engine(tiny_model)
+    try:
+        _, events = asyncio.run(speak(engine, sampling=GREEDY.with_overrides(max_frames=5)))
+    finally:
+        engine.stop()
+    assert codes_of(events).shape[0] == 5 and events[-1].reason == "max_frames"
+
+
+def test_cancel_stops_the_context_and_frees_everything(engine):
+    async def main():
+        ctx = engine.open_context(ContextSpec(voice="vivian", sampling=GREEDY.with_overrides(max_frames=60)))
+        ctx.append_text(TEXT)
+        got = []
+        async for ev in ctx.events():
+            got.append(ev)
+            if isinstance(ev, AudioChunk) and len(got) == 2:
+                ctx.cancel()
+        return got
+
+    events = asyncio.run(main())
+    assert isinstance(events[-1], ContextDone) and events[-1].reason == "cancelled"
+    assert codes_of(events).shape[0] < 60
+    stats = engine.stats()
+    assert stats["contexts"] == 0 and stats["requests"] == 0 and stats["free_slots"] == 20
+
+
+def test_a_failing_context_never_hurts_its_siblings(engine):
+    async def main():
+        good = asyncio.ensure_future(speak(engine))
+        ctxs = []
+        for kind in ("exception", "nan"):
+            ctx = engine.open_context(ContextSpec(voice="ryan", sampling=GREEDY))
+            ctx.inject_fault(kind, at_frame=3)
+            ctx.append_text(TEXT)
+            ctx.close()
+            ctxs.append(ctx)
+        bad = [await _collect(c) for c in ctxs]
+        alone = await speak(engine)
+        return await good, bad, alone
+
+    (_, good), bad, (_, alone) = asyncio.run(main())
+    for events in bad:
+        assert events[-1].reason == "error" and events[-1].error_code == "synthesis_failed"
+        assert "injected" in events[-1].error_message or "non-finite" in events[-1].error_message
+    assert np.array_equal(codes_of(good), codes_of(alone)) and codes_of(good).shape[0] == 16
+
+
+def test_admission_refuses_when_slots_run_out(tiny_model):
+    engine = make_engine(tiny_model, max_slots=2)
+    try:
+        async def main():
+            a = engine.open_context(ContextSpec(voice="ryan", sampling=GREEDY))
+            b = engine.open_context(ContextSpec(voice="ryan", sampling=GREEDY))
+            with pytest.raises(Overloaded) as err:
+                engine.open_context(ContextSpec(voice="ryan", sampling=GREEDY))
+            assert err.value.retryable and err.value.code == "overloaded"
+            a.cancel(), b.cancel()
+            [ev async for ev in a.events()], [ev async for ev in b.events()]
+            engine.open_context(ContextSpec(voice="ryan", sampling=GREEDY)).cancel()  # a refused context never existed
+
+        asyncio.run(main())
+    finally:
+        engine.stop()
+
+
+def test_random_operations_leave_nothing_behind(tiny_model):
+    engine = make_engine(tiny_model, max_slots=12)
+    rng = random.Random(5)
+
+    async def main():
+        live, drains = [], []
+        for _ in range(1000):
+            op = rng.random()
+            if op < 0.15 and len(live) < 10:
+                try:
+                    ctx = engine.open_context(ContextSpec(voice="aiden", sampling=SamplingParams(
+                        seed=rng.randint(0, 99), max_frames=rng.randint(1, 4), min_frames=0)))
+                except Overloaded:  # closed contexts still finishing hold their slots: a typed refusal
+                    continue
+                live.append(ctx)
+                drains.append(asyncio.ensure_future(_drain(ctx)))
+            elif live:
+                ctx = rng.choice(live)
+                kind = rng.random()
+                try:
+                    if kind < 0.4:
+                        ctx.append_text(TEXT[: rng.randint(0, 4)])
+                    elif kind < 0.55:
+                        ctx.flush(words=1)
+                    elif kind < 0.7:
+                        ctx.report_playback(rng.random() * 500, rng.choice(["playing", "buffering", "underrun"]))
+                    elif kind < 0.85:
+                        ctx.close(words=1)
+                        live.remove(ctx)
+                    else:
+                        ctx.cancel()
+                        live.remove(ctx)
+                except Exception as exc:  # only the protocol's typed errors are allowed
+                    assert type(exc).__name__ == "ContextClosed", exc
+            if rng.random() < 0.05:
+                await asyncio.sleep(0.001)
+        for ctx in live:
+            ctx.close(words=1)
+        ends = await asyncio.wait_for(asyncio.gather(*drains), timeout=120)
+        return ends
+
+    try:
+        ends = asyncio.run(main())
+        stats = engine.stats()
+    finally:
+        engine.stop()
+    assert all(isinstance(e, ContextDone) for e in ends)
+    assert stats["contexts"] == 0 and stats["requests"] == 0 and stats["open_contexts"] == 0
+    assert stats["free_slots"] == 12 and stats["waiting_first_audio"] == 0
+    assert not engine.runner.faults
+
+
+async def _collect(ctx):
+    return [ev async for ev in ctx.events()]
+
+
+async def _drain(ctx):
+    last = None
+    async for ev in ctx.events():
+        last = ev
+    return last
