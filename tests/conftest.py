@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -9,6 +11,10 @@ from engine.model.checkpoint import load_checkpoint
 from engine.model.random_model import write_checkpoint
 
 torch.set_num_threads(2)
+# VOICELANE_TEST_DEVICE=cuda runs the engine tests on a GPU (fp32, TF32 off so tolerances stay those of fp32).
+TEST_DEVICE = os.environ.get("VOICELANE_TEST_DEVICE", "cpu")
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
 
 
 @pytest.fixture(scope="session")
@@ -18,4 +24,4 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_checkpoint):
-    return load_checkpoint(tiny_checkpoint, "cpu", torch.float32)
+    return load_checkpoint(tiny_checkpoint, TEST_DEVICE, torch.float32)

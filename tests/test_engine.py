@@ -103,7 +103,7 @@ def test_streamed_audio_equals_whole_decode(tiny_model, ramp):
     sizes = [len(e.pcm) for e in events if isinstance(e, AudioChunk)]
     assert starts == list(np.cumsum([0] + sizes[:-1]))  # one gapless timeline
     with torch.inference_mode():
-        whole = tiny_model.codec(torch.from_numpy(codes).T[None]).flatten().numpy()
+        whole = tiny_model.codec(torch.from_numpy(codes).T[None].to(tiny_model.device)).flatten().cpu().numpy()
     assert np.abs(pcm_of(events) - whole).max() < 1e-5
 
 
