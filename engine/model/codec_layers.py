@@ -295,7 +295,10 @@ class RopeFreqs(nn.Module):
         super().__init__()
         exps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         self._fp32 = 1.0 / (theta**exps)  # [hd/2] fp32, CPU master copy
-        self.register_buffer("inv_freq", self._fp32.clone(), persistent=False)
+        inv_freq = torch.empty(self._fp32.shape)  # on the ambient default device (cuda, meta, cpu)
+        if inv_freq.device.type != "meta":
+            inv_freq.copy_(self._fp32)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)

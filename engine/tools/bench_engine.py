@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine.api import AudioChunk, ContextSpec
+from engine.api import AudioChunk, ContextDone, ContextSpec
 from engine.config import EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.model.checkpoint import load_checkpoint
@@ -51,6 +51,8 @@ async def stream(engine: Engine, frames: int, seed: int) -> dict:
             due = first + samples / 24000  # when this chunk starts playing with no pre-buffer at 1x
             late_s += max(0.0, now - due)
             samples += len(ev.pcm)
+        elif isinstance(ev, ContextDone) and ev.reason == "error":
+            raise RuntimeError(f"stream {seed} failed: {ev.error_code}: {ev.error_message}")
     wall = time.monotonic() - t0
     return {"ttfa_ms": (first - t0) * 1e3, "audio_s": samples / 24000, "wall_s": wall,
             "rtf": wall / max(samples / 24000, 1e-9), "stall_ms": late_s * 1e3}
