@@ -87,6 +87,8 @@ class Scheduler:
         waiting = sum(1 for r in self._heads() if r.first_audio_at is None and r.text_ids)
         if waiting >= self.cfg.max_waiting_first_audio:
             raise AdmissionRefused(f"{waiting} requests are already waiting for their first audio")
+        if not self.contexts:
+            return  # nothing is playing that a new stream could hurt (and refusing would never teach the costs)
         streams = len(self.contexts) + 1
         predicted = self.costs.round_s(streams, self.cfg.chunk_ramp[-1])
         if predicted is not None and predicted > self.cfg.admission_load * FRAME_S:

@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device == "cuda" else torch.float32)
     loaded = load(args.model, args.device, dtype)
-    cfg = EngineConfig(scheduler=SchedulerConfig(max_slots=max(args.streams), admission_load=1e9),
+    cfg = EngineConfig(scheduler=SchedulerConfig(max_slots=max(args.streams), admission_load=1e9,
+                                                 max_waiting_first_audio=max(args.streams)),
                        max_frames=args.frames, max_prompt_tokens=64)
     engine = Engine(loaded, cfg)
     engine.warmup()
