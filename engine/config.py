@@ -42,13 +42,26 @@ class EngineConfig:
     max_frames: int = 2048  # per segment; also sizes the Talker KV cache
     max_prompt_tokens: int = 1024  # prompt positions a segment may use (whole layout: the whole text)
     trace_capacity: int = 10000  # timeline events kept per engine for the Chrome trace export
+    cuda_graphs: str = "auto"  # auto (on for CUDA devices), on, off, emulate (bucketed padding without capture)
 
     def validate(self) -> None:
         self.scheduler.validate()
         if self.max_frames < 1:
             raise EngineConfigError(f"max_frames = {self.max_frames}; it must be >= 1")
+        if self.cuda_graphs not in ("auto", "on", "off", "emulate"):
+            raise EngineConfigError(f"cuda_graphs = {self.cuda_graphs!r}; use auto, on, off or emulate")
         if self.max_prompt_tokens < 16:
             raise EngineConfigError(f"max_prompt_tokens = {self.max_prompt_tokens}; it must be >= 16")
+
+    def graph_mode(self, device_type: str) -> str:
+        """"cuda" (capture graphs), "emulate" (same bucketing, run eagerly) or "off"."""
+        if self.cuda_graphs == "emulate":
+            return "emulate"
+        if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and device_type != "cuda"):
+            return "off"
+        if device_type != "cuda":
+            raise EngineConfigError(f"cuda_graphs = 'on' needs a CUDA device, not {device_type!r}; use auto or off")
+        return "cuda"
 
     @property
     def kv_len(self) -> int:

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 
 import numpy as np
+import torch
 
 from engine.api import (
     AudioChunk,
@@ -115,6 +116,10 @@ class Engine:
             max_frames=min(2048, self.config.max_frames))
         self.info = self._model_info()
         self.warmed_up = False
+        mode = self.config.graph_mode(loaded.device.type)
+        why_off = "CPU device" if loaded.device.type != "cuda" else "cuda_graphs=off"
+        self.graph_report: dict = {"enabled": False, "reason": "not captured yet (warmup() captures them)"
+                                   if mode != "off" else f"off ({why_off}): eager PyTorch"}
         log.info("engine ready: %d slots, KV cache %.1f MiB, device %s, dtype %s", self.config.scheduler.max_slots,
                  self.runner.kv_bytes / 2**20, loaded.device, loaded.dtype)
 
@@ -128,10 +133,29 @@ class Engine:
                          sampling_defaults=self.sampling_defaults)
 
     # ------------------------------------------------------------------ lifecycle
+    def capture_graphs(self) -> None:
+        """Capture every CUDA graph now. A failure is logged loudly, reported by readiness(), and the engine
+        runs eagerly: never a silent fallback."""
+        graphs = self.runner.graphs
+        if graphs is None:
+            return
+        try:
+            with torch.inference_mode():
+                count, seconds = graphs.capture_all()
+            self.graph_report = {"enabled": graphs.mode == "cuda", "mode": graphs.mode, "graphs": count,
+                                 "capture_s": round(seconds, 2), "batch_buckets": list(graphs.buckets),
+                                 "attention_buckets": list(graphs.kv_buckets), "codec_chunks": list(graphs.chunks)}
+            log.info("captured %d graphs (%s) in %.1f s", count, graphs.mode, seconds)
+        except Exception as exc:  # noqa: BLE001 - reported, then served eagerly
+            self.runner.graphs = None
+            self.graph_report = {"enabled": False, "reason": f"capture failed: {type(exc).__name__}: {exc}"}
+            log.error("CUDA graph capture FAILED, serving eagerly (slow): %s", exc)
+
     def warmup(self, frames: int = 4) -> float:
-        """Run one short utterance through every stage before serving (first-call costs stay out of TTFA).
-        Call before start(). Returns the seconds it took."""
+        """Capture graphs, then run one short utterance through every stage before serving (first-call costs
+        stay out of TTFA). Call before start(). Returns the seconds it took."""
         t0 = time.monotonic()
+        self.capture_graphs()
         voice = resolve_voice(self.loaded.config, next(iter(self.loaded.config.talker.speaker_ids)), "auto")
         sampling = self.sampling_defaults.with_overrides(max_frames=frames, min_frames=0)
         with self.core.lock:
@@ -148,12 +172,10 @@ class Engine:
     def readiness(self) -> dict:
         """What /ready reports: which fast paths are in use, and why not where they are not."""
         device = self.loaded.device
-        eager_reason = ("CPU device: eager PyTorch" if device.type != "cuda"
-                        else "eager PyTorch: the CUDA-graph runner is not built yet")
         return {"model_loaded": True, "warmed_up": self.warmed_up, "engine_running": self.core.crashed is None,
                 "device": str(device), "dtype": str(self.loaded.dtype).replace("torch.", ""),
-                "cuda_graphs": {"enabled": False, "reason": eager_reason},
-                "triton_attention": {"enabled": False, "reason": eager_reason},
+                "cuda_graphs": self.graph_report,
+                "triton_attention": {"enabled": False, "reason": "not built yet: attention runs in plain PyTorch"},
                 "random_weights": self.loaded.random_weights}
 
     def start(self) -> None:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from engine.config import EngineConfig
+from engine.graphs import StageGraphs
 from engine.model.checkpoint import LoadedModel
 from engine.model.prompt import NO_CODEC
 from engine.model.sampling import SamplerRows
@@ -60,7 +61,9 @@ class Runner:
         self.model, self.codec, self.cfg = loaded.tts, loaded.codec, cfg
         self.device, self.dtype = loaded.device, loaded.dtype
         talker = loaded.config.talker
-        S, dev = cfg.scheduler.max_slots, self.device
+        # One extra scratch slot: rows that pad a batch up to its CUDA-graph bucket read and write there.
+        S, dev = cfg.scheduler.max_slots + 1, self.device
+        self.scratch = S - 1
         self.kv = self.model.talker.new_cache(S, cfg.kv_len, dev, self.dtype)
         self.hidden = torch.zeros(S, talker.stack.hidden_size, device=dev, dtype=self.dtype)  # [S, H]
         self.code0 = torch.zeros(S, dtype=torch.int64, device=dev)  # [S] last sampled code 0
@@ -78,6 +81,7 @@ class Runner:
         self.codec_state = self.codec.new_stream_state(S, dev, self.dtype)
         self.faults: dict[int, tuple[str, int]] = {}  # cid -> ("exception" | "nan", code-0 index), test hook
         self.kv_bytes = self.kv.bytes
+        self.graphs = StageGraphs(self, cfg) if cfg.graph_mode(self.device.type) != "off" else None
 
     # ------------------------------------------------------------------ launch / collect
     @torch.inference_mode()
@@ -130,6 +134,9 @@ class Runner:
     def _slots(self, rows: list[RowPlan]) -> Tensor:
         return torch.tensor([r.slot for r in rows], dtype=torch.int64, device=self.device)
 
+    def _column(self, values: list, dtype: torch.dtype) -> Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
     def _inject(self, rows: list[RowPlan], code0_index: list[int], logits: Tensor | None = None) -> None:
         """Test-only faults: before the model runs, raise for "exception" faults; once logits exist, poison the
         rows with "nan" faults."""
@@ -141,6 +148,10 @@ class Runner:
                 raise InjectedFault(f"injected fault in context {row.cid}")
             if kind == "nan" and logits is not None:
                 logits[i] = float("nan")
+
+    def _use_graphs(self, rows: list[RowPlan]) -> bool:
+        # Faults are injected between model calls, which a replayed graph cannot do: such batches run eagerly.
+        return self.graphs is not None and not any(r.cid in self.faults for r in rows)
 
     def _prefill(self, rows: list[RowPlan]) -> dict[str, Tensor]:
         self._inject(rows, [0] * len(rows))
@@ -158,74 +169,92 @@ class Runner:
         self._load_sampling(rows, slots)
         self.seen[slots] = False
         self.codec_state.reset_(slots)
-        length = torch.tensor(lengths, dtype=torch.int64, device=dev)
+        length = self._column(lengths, torch.int64)
         x = self.model.embed_prompt(text.to(dev), codec.to(dev))
         positions = torch.arange(L, device=dev).expand(len(rows), L)
         hidden, logits = self.model.talker(x, slots, positions, self.kv, L, last=length - 1, valid_len=length)
         self._inject(rows, [0] * len(rows), logits)
         frame = torch.zeros(len(rows), dtype=torch.int64, device=dev)
-        code0 = self._choose_code0(rows, slots, logits, frame)
+        allow_eos = self._column([r.eos_allowed for r in rows], torch.bool)
+        code0 = self.sample_code0(slots, logits, frame, allow_eos)
         self.hidden[slots], self.code0[slots], self.position[slots] = hidden, code0, length
         for r, n in zip(rows, lengths, strict=True):
             self.host_position[r.slot] = n
         return {"eos": code0 == self.model.eos_id, "bad": ~torch.isfinite(logits).all(dim=-1)}
 
     def _load_sampling(self, rows: list[RowPlan], slots: Tensor) -> None:
-        s, dev = self.sampling, self.device
-
-        def put(target: Tensor, values: list) -> None:
-            target[slots] = torch.tensor(values, dtype=target.dtype, device=dev)
-
+        s = self.sampling
         ps = [r.sampling for r in rows]
-        put(s.temperature, [p.temperature for p in ps])
-        put(s.top_k, [p.top_k for p in ps])
-        put(s.top_p, [p.top_p for p in ps])
-        put(s.sub_temperature, [p.sub_temperature for p in ps])
-        put(s.sub_top_k, [p.sub_top_k for p in ps])
-        put(s.sub_top_p, [p.sub_top_p for p in ps])
-        put(s.seed, [p.seed for p in ps])
-        put(s.penalty, [p.repetition_penalty for p in ps])
+        for target, values in ((s.temperature, [p.temperature for p in ps]), (s.top_k, [p.top_k for p in ps]),
+                               (s.top_p, [p.top_p for p in ps]), (s.sub_temperature, [p.sub_temperature for p in ps]),
+                               (s.sub_top_k, [p.sub_top_k for p in ps]), (s.sub_top_p, [p.sub_top_p for p in ps]),
+                               (s.seed, [p.seed for p in ps]), (s.penalty, [p.repetition_penalty for p in ps])):
+            target[slots] = self._column(values, target.dtype)
 
-    def _choose_code0(self, rows: list[RowPlan], slots: Tensor, logits: Tensor, frame: Tensor) -> Tensor:
-        allow_eos = torch.tensor([r.eos_allowed for r in rows], device=self.device)
+    def sample_code0(self, slots: Tensor, logits: Tensor, frame: Tensor, allow_eos: Tensor) -> Tensor:
         return self.model.choose_code0(logits, self.sampling.talker(slots), self.sampling.penalty[slots],
                                        self.seen[slots], allow_eos, frame)
 
+    # Pure step functions over static-shaped tensors: run eagerly, or captured once per bucket by StageGraphs.
+    def code_predictor_step(self, slots: Tensor, frame: Tensor) -> tuple[Tensor]:
+        rest, _ = self.model.codes_1_to_15(self.hidden[slots], self.code0[slots],
+                                           self.sampling.code_predictor(slots), frame)
+        return (rest,)
+
+    def talker_step(self, slots: Tensor, text: Tensor, frame: Tensor, allow_eos: Tensor,
+                    kv_len: int) -> tuple[Tensor, Tensor, Tensor]:
+        code0 = self.code0[slots]
+        self.seen[slots, code0] = True
+        x = self.model.next_input(code0, self.rest[slots], text)
+        last = torch.zeros_like(slots)
+        hidden, logits = self.model.talker(x, slots, self.position[slots, None], self.kv, kv_len, last=last)
+        return hidden, logits, self.sample_code0(slots, logits, frame, allow_eos)
+
+    def codec_step(self, slots: Tensor, codes: Tensor) -> tuple[Tensor]:
+        return (self.codec.decode_stream(codes.transpose(1, 2), self.codec_state, slots),)
+
     def _code_predictor(self, rows: list[RowPlan]) -> dict[str, Tensor]:
         slots = self._slots(rows)
-        frame = torch.tensor([r.frame for r in rows], dtype=torch.int64, device=self.device)
-        code0 = self.code0[slots]
-        rest, _ = self.model.codes_1_to_15(self.hidden[slots], code0, self.sampling.code_predictor(slots), frame)
+        frame = self._column([r.frame for r in rows], torch.int64)
+        if self._use_graphs(rows):
+            (rest,) = self.graphs.code_predictor(slots, frame)
+        else:
+            (rest,) = self.code_predictor_step(slots, frame)
         self.rest[slots] = rest
-        self.frames[slots, frame] = torch.cat([code0[:, None], rest], dim=1)
+        self.frames[slots, frame] = torch.cat([self.code0[slots, None], rest], dim=1)
         return {}
 
     def _talker(self, rows: list[RowPlan]) -> dict[str, Tensor]:
         self._inject(rows, [r.frame + 1 for r in rows])
-        dev = self.device
         slots = self._slots(rows)
-        code0 = self.code0[slots]
-        self.seen[slots, code0] = True
-        text = torch.tensor([r.text_id for r in rows], dtype=torch.int64, device=dev)
-        x = self.model.next_input(code0, self.rest[slots], text)
+        text = self._column([r.text_id for r in rows], torch.int64)
+        frame = self._column([r.frame + 1 for r in rows], torch.int64)
+        allow_eos = self._column([r.eos_allowed for r in rows], torch.bool)
         kv_len = max(self.host_position[r.slot] for r in rows) + 1
-        last = torch.zeros(len(rows), dtype=torch.int64, device=dev)
-        hidden, logits = self.model.talker(x, slots, self.position[slots, None], self.kv, kv_len, last=last)
-        self._inject(rows, [r.frame + 1 for r in rows], logits)
-        frame = torch.tensor([r.frame + 1 for r in rows], dtype=torch.int64, device=dev)
-        new_code0 = self._choose_code0(rows, slots, logits, frame)
-        self.hidden[slots], self.code0[slots] = hidden, new_code0
+        if self._use_graphs(rows):
+            hidden, logits, code0 = self.graphs.talker(slots, text, frame, allow_eos, kv_len)
+        else:
+            code0 = self.code0[slots]
+            self.seen[slots, code0] = True
+            x = self.model.next_input(code0, self.rest[slots], text)
+            last = torch.zeros_like(slots)
+            hidden, logits = self.model.talker(x, slots, self.position[slots, None], self.kv, kv_len, last=last)
+            self._inject(rows, [r.frame + 1 for r in rows], logits)
+            code0 = self.sample_code0(slots, logits, frame, allow_eos)
+        self.hidden[slots], self.code0[slots] = hidden, code0
         self.position[slots] += 1
         for r in rows:
             self.host_position[r.slot] += 1
-        return {"eos": new_code0 == self.model.eos_id, "bad": ~torch.isfinite(logits).all(dim=-1)}
+        return {"eos": code0 == self.model.eos_id, "bad": ~torch.isfinite(logits).all(dim=-1)}
 
     def _codec(self, rows: list[RowPlan]) -> dict[str, Tensor]:
         chunk = rows[0].chunk
         slots = self._slots(rows)
-        first = torch.tensor([r.frame for r in rows], dtype=torch.int64, device=self.device)
+        first = self._column([r.frame for r in rows], torch.int64)
         index = first[:, None] + torch.arange(chunk, device=self.device)  # [B, chunk]
         codes = self.frames[slots[:, None], index]  # [B, chunk, 16]
-        pcm = self.codec.decode_stream(codes.transpose(1, 2), self.codec_state, slots)  # [B, chunk * 1920]
+        if self._use_graphs(rows):
+            (pcm,) = self.graphs.codec(slots, codes)
+        else:
+            (pcm,) = self.codec_step(slots, codes)
         return {"pcm": pcm.float(), "codes": codes}
-

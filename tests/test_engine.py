@@ -268,3 +268,33 @@ async def _drain(ctx):
     async for ev in ctx.events():
         last = ev
     return last
+
+
+@pytest.mark.parametrize("ramp", [(1, 2, 4, 8, 12), (3, 5)])
+def test_graph_bucketing_matches_eager(tiny_model, ramp):
+    """The CUDA-graph path pads batches to buckets (scratch slot), attention spans to length buckets and final
+    codec chunks to ramp sizes. Emulated without capture on the CPU, it must give the eager codes and audio."""
+    def run(mode):
+        engine = Engine(tiny_model, EngineConfig(scheduler=SchedulerConfig(max_slots=6, admission_load=1e6,
+                                                                           chunk_ramp=ramp),
+                                                 max_frames=40, max_prompt_tokens=64, cuda_graphs=mode))
+        engine.warmup()
+        engine.start()
+
+        async def main():
+            specs = [(TEXT[: 4 + i], GREEDY.with_overrides(max_frames=11 + 3 * i) if i % 2 else
+                      SamplingParams(seed=i, max_frames=13 + i)) for i in range(5)]
+            return await asyncio.gather(*(speak(engine, t, s) for t, s in specs))
+
+        try:
+            return asyncio.run(main()), engine.readiness()
+        finally:
+            engine.stop()
+
+    eager, ready_eager = run("off")
+    padded, ready_padded = run("emulate")
+    assert ready_eager["cuda_graphs"]["enabled"] is False and "CPU" in ready_eager["cuda_graphs"]["reason"]
+    assert ready_padded["cuda_graphs"]["mode"] == "emulate" and ready_padded["cuda_graphs"]["graphs"] > 0
+    for (_, a), (_, b) in zip(eager, padded, strict=True):
+        assert np.array_equal(codes_of(a), codes_of(b))
+        assert np.abs(pcm_of(a) - pcm_of(b)).max() < 1e-5

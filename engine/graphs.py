@@ -1,0 +1,166 @@
+"""CUDA graphs for the per-step stages: one captured graph per batch bucket (and size key), replayed with static
+input buffers. A batch is padded up to its bucket; padded rows point at a scratch slot, so whatever they compute
+lands where no request reads. A batch larger than the largest bucket is split, never run eagerly.
+
+With `capture=False` the same padding and bucketing run eagerly (the CPU tests use that to check the logic).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("voicelane.graphs")
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    return buckets[-1]
+
+
+@dataclass
+class _Captured:
+    graph: object  # torch.cuda.CUDAGraph, or None when running eagerly
+    inputs: dict[str, Tensor]  # static input buffers, first dim = bucket
+    outputs: tuple[Tensor, ...]  # static outputs of the last replay
+
+
+class GraphBank:
+    """Graphs of one stage function `fn(key, **inputs) -> tuple[Tensor, ...]`, keyed by (bucket, extra key)."""
+
+    def __init__(self, name: str, fn: Callable[..., tuple[Tensor, ...]], make_inputs: Callable[[int, object], dict],
+                 pad_values: dict[str, float | int], capture: bool, pool=None):
+        self.name, self.fn, self.make_inputs, self.pad_values = name, fn, make_inputs, pad_values
+        self.capture = capture
+        self.pool = pool
+        self.entries: dict[tuple[int, object], _Captured] = {}
+
+    def _entry(self, bucket: int, key: object) -> _Captured:
+        entry = self.entries.get((bucket, key))
+        if entry is None:
+            inputs = self.make_inputs(bucket, key)
+            if not self.capture:
+                entry = _Captured(None, inputs, ())
+            else:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # warm-up: lazy init, autotuning, allocator
+                        self.fn(key, **inputs)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    outputs = self.fn(key, **inputs)
+                entry = _Captured(graph, inputs, outputs)
+            self.entries[(bucket, key)] = entry
+        return entry
+
+    def run(self, bucket: int, key: object, n: int, values: dict[str, Tensor]) -> tuple[Tensor, ...]:
+        """Copy the n real rows into the static inputs, pad the rest, replay; returns views of the first n rows."""
+        entry = self._entry(bucket, key)
+        for name, buf in entry.inputs.items():
+            buf[:n].copy_(values[name])
+            if n < bucket:
+                buf[n:].fill_(self.pad_values.get(name, 0))
+        if entry.graph is None:
+            outputs = self.fn(key, **entry.inputs)
+        else:
+            entry.graph.replay()
+            outputs = entry.outputs
+        return tuple(o[:n] for o in outputs)
+
+    def run_split(self, buckets: tuple[int, ...], key: object, values: dict[str, Tensor]) -> tuple[Tensor, ...]:
+        """Run a batch of any size: pieces of the largest bucket, then the rest padded to its bucket."""
+        n = next(iter(values.values())).shape[0]
+        parts = []
+        for start in range(0, n, buckets[-1]):
+            piece = {k: v[start : start + buckets[-1]] for k, v in values.items()}
+            m = next(iter(piece.values())).shape[0]
+            # Replays of one graph share output buffers: copy out before the next piece runs.
+            parts.append(tuple(o.clone() for o in self.run(bucket_for(m, buckets), key, m, piece)))
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(torch.cat(col) for col in zip(*parts, strict=True))
+
+    @property
+    def count(self) -> int:
+        return len(self.entries)
+
+
+class StageGraphs:
+    """The runner's Code Predictor loop, Talker decode step and streaming codec step as graphs per bucket.
+
+    Talker graphs are also keyed by a bucket of attention length (keys attended); codec graphs by chunk size
+    (a final chunk shorter than a ramp size is padded with frames whose audio is cut off: its stream ends there,
+    so the state they leave behind is never read)."""
+
+    def __init__(self, runner, cfg):
+        mode = cfg.graph_mode(runner.device.type)
+        capture = mode == "cuda"
+        self.mode = mode
+        slots = cfg.scheduler.max_slots
+        self.buckets = tuple(b for b in DEFAULT_BUCKETS if b < slots) + (slots,)
+        kv_max = runner.kv.max_len
+        self.kv_buckets = tuple(sorted({min(b, kv_max) for b in (256, 512, 1024, 2048, 4096)} | {kv_max}))
+        self.chunks = tuple(sorted(set(cfg.scheduler.chunk_ramp)))
+        self.samples_per_frame = runner.codec.samples_per_frame
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        dev, scratch, groups = runner.device, runner.scratch, runner.rest.shape[1] + 1
+
+        def slots_and(extra):
+            return lambda B, key: {"slots": torch.full((B,), scratch, dtype=torch.int64, device=dev), **extra(B, key)}
+
+        def i64(B):
+            return torch.zeros(B, dtype=torch.int64, device=dev)
+
+        self.cp = GraphBank("code_predictor", lambda key, slots, frame: runner.code_predictor_step(slots, frame),
+                            slots_and(lambda B, key: {"frame": i64(B)}), {"slots": scratch}, capture, pool)
+        self.tk = GraphBank(
+            "talker", lambda key, slots, text, frame, allow_eos: runner.talker_step(slots, text, frame, allow_eos, key),
+            slots_and(lambda B, key: {"text": i64(B), "frame": i64(B),
+                                      "allow_eos": torch.zeros(B, dtype=torch.bool, device=dev)}),
+            {"slots": scratch}, capture, pool)
+        self.cd = GraphBank(
+            "codec", lambda key, slots, codes: runner.codec_step(slots, codes),
+            slots_and(lambda B, key: {"codes": torch.zeros(B, key, groups, dtype=torch.int64, device=dev)}),
+            {"slots": scratch}, capture, pool)
+
+    def code_predictor(self, slots: Tensor, frame: Tensor) -> tuple[Tensor, ...]:
+        return self.cp.run_split(self.buckets, None, {"slots": slots, "frame": frame})
+
+    def talker(self, slots: Tensor, text: Tensor, frame: Tensor, allow_eos: Tensor, kv_len: int):
+        key = bucket_for(kv_len, self.kv_buckets)
+        return self.tk.run_split(self.buckets, key, {"slots": slots, "text": text, "frame": frame,
+                                                     "allow_eos": allow_eos})
+
+    def codec(self, slots: Tensor, codes: Tensor) -> tuple[Tensor, ...]:
+        t = codes.shape[1]
+        key = bucket_for(t, self.chunks)
+        if key < t:
+            raise ValueError(f"codec chunk of {t} frames is above the largest ramp size {key}")
+        if key > t:
+            codes = torch.cat([codes, codes.new_zeros(codes.shape[0], key - t, codes.shape[2])], dim=1)
+        (pcm,) = self.cd.run_split(self.buckets, key, {"slots": slots, "codes": codes})
+        return (pcm[:, : t * self.samples_per_frame],)
+
+    def capture_all(self) -> tuple[int, float]:
+        """Capture every (bucket, key) now, so no request ever waits for a capture. Returns (graphs, seconds)."""
+        t0 = time.monotonic()
+        for b in self.buckets:
+            self.cp._entry(b, None)
+            for key in self.kv_buckets:
+                self.tk._entry(b, key)
+            for key in self.chunks:
+                self.cd._entry(b, key)
+        if self.mode == "cuda":
+            torch.cuda.synchronize()
+        return self.cp.count + self.tk.count + self.cd.count, time.monotonic() - t0
