@@ -69,15 +69,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--frames", type=int, default=50)
+    ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device == "cuda" else torch.float32)
     loaded = load(args.model, args.device, dtype)
     cfg = EngineConfig(scheduler=SchedulerConfig(max_slots=max(args.streams), admission_load=1e9,
                                                  max_waiting_first_audio=max(args.streams)),
-                       max_frames=args.frames, max_prompt_tokens=64)
+                       max_frames=args.frames, max_prompt_tokens=64, cuda_graphs=args.cuda_graphs)
     engine = Engine(loaded, cfg)
-    engine.warmup()
+    print(f"warm-up {engine.warmup():.1f} s; graphs: {engine.readiness()['cuda_graphs']}")
     engine.start()
     results = {}
     try:
