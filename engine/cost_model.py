@@ -25,7 +25,7 @@ class _LinearFit:
         var = self.sxx / self.w - mx * mx
         slope = max(0.0, (self.sxy / self.w - mx * my) / var) if var > 1e-9 else 0.0
         if var <= 1e-9 and mx > 0:
-            slope = my / mx / 2  # one batch size seen so far: assume half the time scales with it
+            slope = my / mx / 10  # one batch size seen so far: weights are shared, so assume little growth
         return max(0.0, my + slope * (x - mx))
 
 

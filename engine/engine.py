@@ -174,7 +174,8 @@ class Engine:
         device = self.loaded.device
         return {"model_loaded": True, "warmed_up": self.warmed_up, "engine_running": self.core.crashed is None,
                 "device": str(device), "dtype": str(self.loaded.dtype).replace("torch.", ""),
-                "cuda_graphs": self.graph_report,
+                "cuda_graphs": (self.graph_report if self.runner.graph_failure is None else
+                                {"enabled": False, "reason": f"capture failed: {self.runner.graph_failure}"}),
                 "triton_attention": {"enabled": False, "reason": "not built yet: attention runs in plain PyTorch"},
                 "random_weights": self.loaded.random_weights}
 

@@ -17,6 +17,10 @@ from torch import Tensor
 
 log = logging.getLogger("voicelane.graphs")
 
+
+class GraphCaptureError(RuntimeError):
+    """A stage could not be captured; the runner then serves eagerly and says so (log and /ready)."""
+
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -58,8 +62,12 @@ class GraphBank:
                         self.fn(key, **inputs)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    outputs = self.fn(key, **inputs)
+                try:
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        outputs = self.fn(key, **inputs)
+                except Exception as exc:
+                    raise GraphCaptureError(f"{self.name} graph (batch {bucket}, key {key}): "
+                                            f"{type(exc).__name__}: {exc}") from exc
                 entry = _Captured(graph, inputs, outputs)
             self.entries[(bucket, key)] = entry
         return entry

@@ -7,6 +7,7 @@ CUDA-graph fast path captures these same stage functions per batch bucket.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -14,11 +15,13 @@ import torch
 from torch import Tensor
 
 from engine.config import EngineConfig
-from engine.graphs import StageGraphs
+from engine.graphs import GraphCaptureError, StageGraphs
 from engine.model.checkpoint import LoadedModel
 from engine.model.prompt import NO_CODEC
 from engine.model.sampling import SamplerRows
 from engine.request import RowPlan, StagePlan, StageResult
+
+log = logging.getLogger("voicelane.runner")
 
 
 class InjectedFault(RuntimeError):
@@ -82,6 +85,7 @@ class Runner:
         self.faults: dict[int, tuple[str, int]] = {}  # cid -> ("exception" | "nan", code-0 index), test hook
         self.kv_bytes = self.kv.bytes
         self.graphs = StageGraphs(self, cfg) if cfg.graph_mode(self.device.type) != "off" else None
+        self.graph_failure: str | None = None
 
     # ------------------------------------------------------------------ launch / collect
     @torch.inference_mode()
@@ -153,6 +157,15 @@ class Runner:
         # Faults are injected between model calls, which a replayed graph cannot do: such batches run eagerly.
         return self.graphs is not None and not any(r.cid in self.faults for r in rows)
 
+    def _graph_or_eager(self, rows: list[RowPlan], graph_call, eager_call):
+        if self._use_graphs(rows):
+            try:
+                return graph_call()
+            except GraphCaptureError as exc:
+                self.graphs, self.graph_failure = None, str(exc)
+                log.error("CUDA graph capture FAILED, serving eagerly from now on (slow): %s", exc)
+        return eager_call()
+
     def _prefill(self, rows: list[RowPlan]) -> dict[str, Tensor]:
         self._inject(rows, [0] * len(rows))
         dev = self.device
@@ -216,10 +229,8 @@ class Runner:
     def _code_predictor(self, rows: list[RowPlan]) -> dict[str, Tensor]:
         slots = self._slots(rows)
         frame = self._column([r.frame for r in rows], torch.int64)
-        if self._use_graphs(rows):
-            (rest,) = self.graphs.code_predictor(slots, frame)
-        else:
-            (rest,) = self.code_predictor_step(slots, frame)
+        (rest,) = self._graph_or_eager(rows, lambda: self.graphs.code_predictor(slots, frame),
+                                       lambda: self.code_predictor_step(slots, frame))
         self.rest[slots] = rest
         self.frames[slots, frame] = torch.cat([self.code0[slots, None], rest], dim=1)
         return {}
@@ -231,16 +242,18 @@ class Runner:
         frame = self._column([r.frame + 1 for r in rows], torch.int64)
         allow_eos = self._column([r.eos_allowed for r in rows], torch.bool)
         kv_len = max(self.host_position[r.slot] for r in rows) + 1
-        if self._use_graphs(rows):
-            hidden, logits, code0 = self.graphs.talker(slots, text, frame, allow_eos, kv_len)
-        else:
+
+        def eager():
             code0 = self.code0[slots]
             self.seen[slots, code0] = True
             x = self.model.next_input(code0, self.rest[slots], text)
             last = torch.zeros_like(slots)
             hidden, logits = self.model.talker(x, slots, self.position[slots, None], self.kv, kv_len, last=last)
             self._inject(rows, [r.frame + 1 for r in rows], logits)
-            code0 = self.sample_code0(slots, logits, frame, allow_eos)
+            return hidden, logits, self.sample_code0(slots, logits, frame, allow_eos)
+
+        hidden, logits, code0 = self._graph_or_eager(
+            rows, lambda: self.graphs.talker(slots, text, frame, allow_eos, kv_len), eager)
         self.hidden[slots], self.code0[slots] = hidden, code0
         self.position[slots] += 1
         for r in rows:
@@ -253,8 +266,6 @@ class Runner:
         first = self._column([r.frame for r in rows], torch.int64)
         index = first[:, None] + torch.arange(chunk, device=self.device)  # [B, chunk]
         codes = self.frames[slots[:, None], index]  # [B, chunk, 16]
-        if self._use_graphs(rows):
-            (pcm,) = self.graphs.codec(slots, codes)
-        else:
-            (pcm,) = self.codec_step(slots, codes)
+        (pcm,) = self._graph_or_eager(rows, lambda: self.graphs.codec(slots, codes),
+                                      lambda: self.codec_step(slots, codes))
         return {"pcm": pcm.float(), "codes": codes}

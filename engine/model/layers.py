@@ -28,10 +28,22 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+_INV_FREQ: dict[tuple[int, float, str], Tensor] = {}
+
+
+def _inv_freq(head_dim: int, theta: float, device: torch.device) -> Tensor:
+    """[head_dim / 2] fp32, computed once per device: `theta ** tensor` copies theta from the host, which a CUDA
+    graph capture forbids, so captured steps must find it made already (their warm-up run makes it)."""
+    key = (head_dim, theta, str(device))
+    if key not in _INV_FREQ:
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+        _INV_FREQ[key] = 1.0 / (theta**exponent)
+    return _INV_FREQ[key]
+
+
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos/sin tables for NeoX-style RoPE at the given positions: [...] -> [..., head_dim] each."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
-    inv_freq = 1.0 / (theta**exponent)  # [head_dim / 2], fp32
+    inv_freq = _inv_freq(head_dim, theta, positions.device)
     freqs = positions.float()[..., None] * inv_freq  # [..., head_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
