@@ -217,7 +217,7 @@ class Runner:
     def talker_step(self, slots: Tensor, text: Tensor, frame: Tensor, allow_eos: Tensor,
                     kv_len: int) -> tuple[Tensor, Tensor, Tensor]:
         code0 = self.code0[slots]
-        self.seen[slots, code0] = True
+        self.seen[slots, code0] = torch.ones_like(code0, dtype=torch.bool)  # a tensor value: capture-safe
         x = self.model.next_input(code0, self.rest[slots], text)
         last = torch.zeros_like(slots)
         hidden, logits = self.model.talker(x, slots, self.position[slots, None], self.kv, kv_len, last=last)
@@ -245,7 +245,7 @@ class Runner:
 
         def eager():
             code0 = self.code0[slots]
-            self.seen[slots, code0] = True
+            self.seen[slots, code0] = torch.ones_like(code0, dtype=torch.bool)
             x = self.model.next_input(code0, self.rest[slots], text)
             last = torch.zeros_like(slots)
             hidden, logits = self.model.talker(x, slots, self.position[slots, None], self.kv, kv_len, last=last)

@@ -76,7 +76,6 @@ def process_talker_logits(logits: Tensor, seen: Tensor, penalty: Tensor, allow_e
     p = penalty[:, None]
     penalised = torch.where(logits < 0, logits * p, logits / p)
     logits = torch.where(seen, penalised, logits)
-    eos_col = torch.zeros_like(suppress)
-    eos_col[eos_id] = True
+    eos_col = torch.arange(suppress.shape[0], device=suppress.device) == eos_id  # no host-to-device copy
     blocked = suppress[None, :] | (eos_col[None, :] & ~allow_eos[:, None])
     return logits.masked_fill(blocked, float("-inf"))
