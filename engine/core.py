@@ -49,6 +49,7 @@ class EngineCore:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.crashed: BaseException | None = None
+        self.on_crash: Callable[[BaseException], None] | None = None
 
     def step(self) -> bool:
         with self.lock:
@@ -89,8 +90,9 @@ class EngineCore:
                     self.wake.clear()
         except BaseException as exc:  # noqa: BLE001 - reported through /ready and the log
             self.crashed = exc
-            log.exception("engine loop crashed")
-            raise
+            log.exception("engine loop crashed: every open context ends with an internal error")
+            if self.on_crash is not None:
+                self.on_crash(exc)
 
     def stop(self) -> None:
         self._stop.set()

@@ -19,6 +19,7 @@ from engine.api import (
     ContextClosed,
     ContextDone,
     ContextSpec,
+    EngineError,
     EngineEvent,
     InvalidRequest,
     ModelInfo,
@@ -111,6 +112,7 @@ class Engine:
         self.scheduler = Scheduler(self.config.scheduler, loaded.config, self.timeline)
         self.runner = Runner(loaded, self.config)
         self.core = EngineCore(self.scheduler, self.runner, self._deliver, self.timeline)
+        self.core.on_crash = self._fail_everything
         self.contexts: dict[int, Context] = {}
         self.sampling_defaults = SamplingParams.from_generation_config(loaded.config.generation).with_overrides(
             max_frames=min(2048, self.config.max_frames))
@@ -202,6 +204,8 @@ class Engine:
         if spec.sampling.max_frames > self.config.max_frames:
             raise InvalidRequest("invalid_field", f"max_frames {spec.sampling.max_frames} is above this server's "
                                  f"limit {self.config.max_frames}", "max_frames")
+        if self.core.crashed is not None:
+            raise EngineError(f"the engine has stopped ({type(self.core.crashed).__name__}); restart the server")
         setup = ContextSetup(voice, instruction, spec.text_layout)
         loop = asyncio.get_running_loop()
         with self.core.lock:
@@ -213,6 +217,15 @@ class Engine:
             self.contexts[cid] = ctx
         self.timeline.name_context(cid, spec.trace_id)
         return ctx
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        """The loop died (e.g. the device failed): end every open context so no client waits forever."""
+        message = f"engine stopped: {type(exc).__name__}: {exc}"
+        for cid, ctx in list(self.contexts.items()):
+            ctx.ended = True
+            del self.contexts[cid]
+            done = ContextDone("error", 0, "internal", message)
+            ctx._loop.call_soon_threadsafe(ctx._push, [done])
 
     def _call(self, fn, cid: int, *args):
         with self.core.lock:

@@ -121,7 +121,8 @@ class StageGraphs:
         self.kv_buckets = tuple(sorted({min(b, kv_max) for b in (256, 512, 1024, 2048, 4096)} | {kv_max}))
         self.chunks = tuple(sorted(set(cfg.scheduler.chunk_ramp)))
         self.samples_per_frame = runner.codec.samples_per_frame
-        pool = torch.cuda.graph_pool_handle() if capture else None
+        # Each graph gets its own memory pool: graphs sharing one must replay in capture order, ours do not.
+        pool = None
         dev, scratch, groups = runner.device, runner.scratch, runner.rest.shape[1] + 1
 
         def slots_and(extra):

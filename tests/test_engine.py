@@ -300,3 +300,28 @@ def test_graph_bucketing_matches_eager(tiny_model, ramp):
     for (_, a), (_, b) in zip(eager, padded, strict=True):
         assert np.array_equal(codes_of(a), codes_of(b))
         assert np.abs(pcm_of(a) - pcm_of(b)).max() < 1e-5
+
+
+def test_a_dead_engine_loop_ends_every_context(tiny_model):
+    """If the loop itself dies (a device failure), no client waits forever and new contexts are refused."""
+    engine = make_engine(tiny_model)
+
+    def broken_collect(pending):
+        raise RuntimeError("device lost")
+
+    try:
+        async def main():
+            ctx = engine.open_context(ContextSpec(voice="ryan", sampling=GREEDY))
+            engine.runner.collect = broken_collect
+            ctx.append_text(TEXT)
+            events = await asyncio.wait_for(_collect(ctx), timeout=60)
+            with pytest.raises(Exception) as err:
+                engine.open_context(ContextSpec(voice="ryan", sampling=GREEDY))
+            return events, err.value
+
+        events, refused = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert events[-1].reason == "error" and events[-1].error_code == "internal"
+    assert "device lost" in events[-1].error_message
+    assert getattr(refused, "code", None) == "internal" and engine.readiness()["engine_running"] is False
