@@ -1,0 +1,280 @@
+"""`voicelane serve ...` (also `python -m server serve ...`): parse flags, print the resolved configuration (never
+the keys), load the model on a thread while uvicorn already answers /health, serve.
+
+SIGTERM / SIGINT drain: `session.draining` to every WebSocket, new contexts and requests refused, work in flight
+finishes (up to --drain-timeout-s), sockets close with 1001, then the process exits. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import replace
+
+from engine.config import EngineConfig, SchedulerConfig
+from server.auth import keys_from_env, read_key_file
+from server.config import Limits, Secret, ServerConfig, ServerConfigError
+from server.logs import setup_logging
+
+log = logging.getLogger("voicelane.server")
+
+
+def _csv(values: list[str] | None) -> tuple[str, ...]:
+    out: list[str] = []
+    for v in values or []:
+        out += [x.strip() for x in v.split(",") if x.strip()]
+    return tuple(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="voicelane", description="Real-time TTS server for Qwen3-TTS")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run the server", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    lim, eng = Limits(), SchedulerConfig()
+    g = s.add_argument_group("model")
+    g.add_argument("--model", default="tiny-random",
+                   help="checkpoint directory, tiny-random (small random model, made once into the cache folder), "
+                        "random:1.7b or random:0.6b (random weights built in memory)")
+    g.add_argument("--device", default="auto", help="cuda, cuda:N, cpu, or auto (cuda when available)")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, "
+                                                   "float32")
+    g.add_argument("--seed", type=int, default=0, help="weights seed of random models")
+    g.add_argument("--cpu-threads", type=int, default=0, help="torch threads on the CPU (0: torch's default; 1 suits "
+                   "the tiny model and machines shared with other work)")
+    g.add_argument("--default-voice", default=None, help="voice of contexts that name none (default: ryan)")
+    g = s.add_argument_group("network")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g = s.add_argument_group("auth")
+    g.add_argument("--api-key", action="append", default=[], help="an accepted API key (repeatable); also "
+                   "--api-key-file and $VOICELANE_API_KEYS (comma-separated)")
+    g.add_argument("--api-key-file", action="append", default=[], help="file with one API key per line")
+    g.add_argument("--metrics-key", default=None, help="key /metrics asks for (Bearer); default: /metrics is open")
+    g.add_argument("--allowed-origins", action="append", default=[],
+                   help="browser origins allowed besides the server's own, comma-separated; * allows any")
+    g.add_argument("--max-sessions", type=int, default=0, help="concurrent WebSocket sessions (0 = unlimited)")
+    g = s.add_argument_group("per-socket limits")
+    g.add_argument("--max-contexts", type=int, default=lim.max_contexts)
+    g.add_argument("--max-text-chars-per-message", type=int, default=lim.max_text_chars_per_message)
+    g.add_argument("--max-text-chars-per-context", type=int, default=lim.max_text_chars_per_context)
+    g.add_argument("--max-message-bytes", type=int, default=lim.max_message_bytes)
+    g.add_argument("--idle-timeout-s", type=float, default=lim.idle_timeout_s)
+    g.add_argument("--context-idle-timeout-s", type=float, default=lim.context_idle_timeout_s)
+    g.add_argument("--max-unsent-audio-s", type=float, default=lim.max_unsent_audio_s)
+    g = s.add_argument_group("engine")
+    g.add_argument("--max-frames", type=int, default=EngineConfig().max_frames,
+                   help="frames a segment may return (sizes the KV cache)")
+    g.add_argument("--max-prompt-tokens", type=int, default=EngineConfig().max_prompt_tokens)
+    g.add_argument("--max-slots", type=int, default=eng.max_slots, help="concurrent segment requests")
+    g.add_argument("--bench-frames-per-word", type=int, default=0,
+                   help="benchmark length mode for random weights: N frames per word (PROTOCOL.md 1.6); 0 = off")
+    g.add_argument("--admission-load", type=float, default=eng.admission_load)
+    g.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="capture the per-step stages as CUDA graphs (auto: on for CUDA devices)")
+    g.add_argument("--safety-lead-s", type=float, default=eng.safety_lead_s)
+    g = s.add_argument_group("operations")
+    g.add_argument("--drain-timeout-s", type=float, default=25.0,
+                   help="on SIGTERM/SIGINT: how long contexts in flight may finish (under k8s' 30 s grace)")
+    g.add_argument("--opus-complexity", type=int, default=10)
+    g.add_argument("--encode-threads", type=int, default=max(2, min(8, (os.cpu_count() or 2))))
+    g.add_argument("--no-warmup", action="store_true", help="skip the warm-up utterance before /ready")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def resolve_device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def config_from_args(a: argparse.Namespace) -> ServerConfig:
+    keys = list(a.api_key)
+    for f in a.api_key_file:
+        try:
+            keys += read_key_file(f)
+        except OSError as exc:
+            raise ServerConfigError(f"--api-key-file {f}: {exc.strerror}") from None
+    keys += keys_from_env()
+    device = resolve_device(a.device)
+    from server.model_source import resolve_dtype
+
+    dtype = str(resolve_dtype(a.dtype, device)).replace("torch.", "")
+    sched = replace(SchedulerConfig(), max_slots=a.max_slots, bench_frames_per_word=a.bench_frames_per_word,
+                    admission_load=a.admission_load, safety_lead_s=a.safety_lead_s)
+    engine = EngineConfig(scheduler=sched, max_frames=a.max_frames, max_prompt_tokens=a.max_prompt_tokens,
+                          cuda_graphs=a.cuda_graphs)
+    limits = Limits(max_contexts=a.max_contexts, max_text_chars_per_message=a.max_text_chars_per_message,
+                    max_text_chars_per_context=a.max_text_chars_per_context, max_message_bytes=a.max_message_bytes,
+                    idle_timeout_s=a.idle_timeout_s, context_idle_timeout_s=a.context_idle_timeout_s,
+                    max_unsent_audio_s=a.max_unsent_audio_s)
+    cfg = ServerConfig(model=a.model, device=device, dtype=dtype, host=a.host, port=a.port, limits=limits,
+                       engine=engine, api_keys=Secret(dict.fromkeys(keys)),
+                       metrics_key=Secret([a.metrics_key] if a.metrics_key else []),
+                       allowed_origins=_csv(a.allowed_origins), max_sessions=a.max_sessions,
+                       default_voice=a.default_voice, random_seed=a.seed, cpu_threads=a.cpu_threads,
+                       drain_timeout_s=a.drain_timeout_s,
+                       opus_complexity=a.opus_complexity, encode_threads=a.encode_threads,
+                       test_hooks=a.enable_test_hooks, log_level=a.log_level, warmup=not a.no_warmup)
+    cfg.validate()
+    check_model_spec(cfg.model)
+    return cfg
+
+
+def check_model_spec(spec: str) -> None:
+    """Fail fast on a --model that cannot work (the load itself runs later, on a thread)."""
+    from pathlib import Path
+
+    from server.model_source import RANDOM_SIZES, TINY_RANDOM
+
+    if spec == TINY_RANDOM:
+        return
+    if spec.startswith("random:"):
+        if spec.split(":", 1)[1].lower() not in RANDOM_SIZES:
+            raise ServerConfigError(f"--model {spec!r}; random sizes: random:1.7b, random:0.6b, random:tiny")
+        return
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        raise ServerConfigError(f"--model {spec!r}: not a checkpoint directory (no config.json); give a Qwen3-TTS "
+                                "12Hz CustomVoice checkpoint directory, tiny-random, random:1.7b or random:0.6b")
+
+
+def print_config(cfg: ServerConfig) -> None:
+    from server.model_source import RANDOM_NOTICE, is_random
+
+    d = cfg.describe()
+    d["engine"]["scheduler"]["chunk_ramp"] = list(cfg.engine.scheduler.chunk_ramp)
+    print("voicelane: resolved configuration", file=sys.stderr)
+    print(json.dumps(d, indent=2, default=str), file=sys.stderr)
+    if is_random(cfg.model):
+        print(RANDOM_NOTICE.format(model=cfg.model), file=sys.stderr)
+    sys.stderr.flush()
+
+
+def make_loader(cfg: ServerConfig):
+    def load():
+        import torch
+
+        from engine.engine import Engine
+        from engine.text.tokenizer import TextTokenizer
+        from server.model_source import RANDOM_NOTICE, load_model, resolve_dtype
+
+        if cfg.device == "cpu" and cfg.cpu_threads:
+            torch.set_num_threads(cfg.cpu_threads)
+        t0 = time.monotonic()
+        loaded = load_model(cfg.model, cfg.device, resolve_dtype(cfg.dtype, cfg.device), cfg.random_seed)
+        log.info("model %s loaded in %.1f s on %s (%s)", cfg.model, time.monotonic() - t0, loaded.device,
+                 loaded.dtype)
+        if loaded.random_weights and cfg.model not in ("tiny-random",) and not cfg.model.startswith("random:"):
+            print(RANDOM_NOTICE.format(model=cfg.model), file=sys.stderr)
+        tokenizer = TextTokenizer.from_dir(loaded.tokenizer_dir)
+        engine = Engine(loaded, cfg.engine)
+        if cfg.warmup:
+            log.info("warm-up: %.2f s", engine.warmup())
+        else:
+            engine.warmed_up = True
+        engine.start()
+        return engine, tokenizer
+
+    return load
+
+
+def serve(cfg: ServerConfig) -> int:
+    import uvicorn
+
+    from server.app import create_app
+    from server.runtime import Runtime
+
+    runtime = Runtime(cfg)
+    app = create_app(runtime, make_loader(cfg))
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    try:
+        import httptools  # noqa: F401
+
+        http = "httptools"
+    except ImportError:
+        http = "h11"
+    from uvicorn.config import WS_PROTOCOLS
+
+    ws = "websockets-sansio" if "websockets-sansio" in WS_PROTOCOLS else "websockets"
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, loop=loop, http=http, ws=ws,
+                            ws_max_size=cfg.limits.max_message_bytes, ws_per_message_deflate=False,
+                            log_config=None, access_log=False, timeout_graceful_shutdown=5,
+                            lifespan="on")
+    server = DrainingServer(config, runtime)
+    runtime.on_load_failure = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if runtime.load_error:
+        print(f"voicelane: the model could not be loaded: {runtime.load_error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        """uvicorn.Server whose first SIGTERM/SIGINT drains (PROTOCOL.md 1.5: session.draining, then 1001)."""
+
+        def __init__(self, config, runtime):
+            super().__init__(config)
+            self.runtime = runtime
+            self._drain_task = None
+
+        def handle_exit(self, sig, frame):
+            loop = self.runtime.loop or _running_loop()
+            if self.runtime.draining or loop is None or self.runtime.engine is None:
+                return super().handle_exit(sig, frame)
+            log.info("signal %s: draining (again to stop at once)", signal.Signals(sig).name)
+            loop.call_soon_threadsafe(self._start_drain)
+
+        def _start_drain(self):
+            self.runtime.start_drain()
+            self._drain_task = asyncio.ensure_future(self._drain())
+
+        async def _drain(self):
+            rt = self.runtime
+            deadline = (rt.drain_deadline or time.monotonic()) + 2.0
+            while not rt.drained() and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            log.info("drained: stopping")
+            self.should_exit = True
+
+    return Draining
+
+
+def _running_loop():
+    try:
+        return asyncio.get_event_loop()
+    except RuntimeError:
+        return None
+
+
+def DrainingServer(config, runtime):  # noqa: N802 - a class made lazily (uvicorn is imported only to serve)
+    return _server_class()(config, runtime)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        cfg = config_from_args(args)
+    except (ServerConfigError, ValueError) as exc:
+        print(f"voicelane: configuration error: {exc}", file=sys.stderr)
+        return 2
+    print_config(cfg)
+    return serve(cfg)

@@ -1,0 +1,96 @@
+"""Server configuration: one frozen tree, resolved by the CLI, printed at start (never the keys)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from engine.config import EngineConfig
+
+
+class ServerConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-socket limits (PROTOCOL.md 1, `session.created.limits`)."""
+
+    max_contexts: int = 8
+    max_text_chars_per_message: int = 4096
+    max_text_chars_per_context: int = 100_000
+    max_message_bytes: int = 65536
+    idle_timeout_s: float = 60.0
+    context_idle_timeout_s: float = 30.0
+    max_unsent_audio_s: float = 10.0
+
+    def validate(self) -> None:
+        for name in ("max_contexts", "max_text_chars_per_message", "max_text_chars_per_context"):
+            if getattr(self, name) < 1:
+                raise ServerConfigError(f"{name} = {getattr(self, name)}; it must be >= 1 "
+                                        f"(--{name.replace('_', '-')})")
+        if self.max_message_bytes < 1024:
+            raise ServerConfigError(f"max_message_bytes = {self.max_message_bytes}; it must be >= 1024")
+        for name in ("idle_timeout_s", "context_idle_timeout_s", "max_unsent_audio_s"):
+            if getattr(self, name) <= 0:
+                raise ServerConfigError(f"{name} = {getattr(self, name)}; it must be > 0 "
+                                        f"(--{name.replace('_', '-')})")
+
+
+class Secret(tuple):
+    """API keys: a tuple that never shows its contents in repr/str (so printing the config cannot leak them)."""
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} key(s)>"
+
+    __str__ = __repr__
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str = "tiny-random"  # checkpoint dir | tiny-random | random:1.7b | random:0.6b | random:tiny
+    device: str = "cpu"
+    dtype: str = "float32"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    limits: Limits = field(default_factory=Limits)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    api_keys: Secret = field(default_factory=Secret)
+    metrics_key: Secret = field(default_factory=Secret)  # zero or one key
+    allowed_origins: tuple[str, ...] = ()  # browser origins besides the server's own; "*" = any
+    max_sessions: int = 0  # concurrent WebSocket sessions; 0 = unlimited
+    default_voice: str | None = None
+    random_seed: int = 0  # weights of random:* / tiny-random models
+    cpu_threads: int = 0  # torch threads on the CPU; 0 = torch's default
+    drain_timeout_s: float = 25.0
+    http_max_body_bytes: int = 1 << 20
+    opus_complexity: int = 10
+    encode_threads: int = 4
+    test_hooks: bool = False  # fault injection through context.create (tests only)
+    log_level: str = "info"
+    warmup: bool = True
+
+    def validate(self) -> None:
+        self.limits.validate()
+        self.engine.validate()
+        if not 0 < self.port < 65536:
+            raise ServerConfigError(f"port = {self.port}; use 1..65535 (--port)")
+        if self.max_sessions < 0:
+            raise ServerConfigError(f"max_sessions = {self.max_sessions}; use 0 (unlimited) or more")
+        if self.drain_timeout_s < 0:
+            raise ServerConfigError(f"drain_timeout_s = {self.drain_timeout_s}; it must be >= 0")
+        if not 0 <= self.opus_complexity <= 10:
+            raise ServerConfigError(f"opus_complexity = {self.opus_complexity}; use 0..10")
+        if self.cpu_threads < 0:
+            raise ServerConfigError(f"cpu_threads = {self.cpu_threads}; use 0 (torch's default) or more")
+        if self.encode_threads < 1:
+            raise ServerConfigError(f"encode_threads = {self.encode_threads}; it must be >= 1")
+        if len(self.metrics_key) > 1:
+            raise ServerConfigError("give at most one --metrics-key")
+
+    def describe(self) -> dict:
+        """The resolved configuration for printing: keys are counted, never shown."""
+        d = asdict(self)
+        d["api_keys"] = f"{len(self.api_keys)} configured" if self.api_keys else "none (open server)"
+        d["metrics_key"] = "set" if self.metrics_key else "none (/metrics open)"
+        d["allowed_origins"] = list(self.allowed_origins) or ["(same origin only)"]
+        return d

@@ -1,0 +1,306 @@
+"""`GET /v1/tts/ws`: one session per WebSocket (PROTOCOL.md 1).
+
+Per socket: one receive task (parses and handles client messages in order; engine calls are cheap and never
+block), one emit task (writes the outgoing FIFO to the socket), one ticker (idle timeouts, draining, a dead
+engine), and one pump task per context (engine events -> audio packets; encoding runs in the thread pool).
+
+Every bad input is a typed, non-fatal error that names its context; only session-level failures close the socket
+(4001 unauthorized, 4003 origin, 4008 idle, 4009 slow reader, 4029 too many sessions, 1001 draining, 1011
+internal; 1007 and 1009 come from the WebSocket layer itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from server.auth import bearer_token, query_token, subprotocol_token
+from server.outqueue import OutItem, OutQueue
+from server.protocol import (
+    CLOSE_GOING_AWAY,
+    CLOSE_INTERNAL,
+    ERRORS,
+    PROTOCOL_VERSION,
+    SUBPROTOCOL,
+    ProtocolError,
+    parse_json_object,
+    ws_error,
+)
+from server.runtime import Runtime
+from server.ws_context import WsContext, dumps
+from server.ws_handlers import MessageHandlers
+
+log = logging.getLogger("voicelane.gateway")
+ENDED_IDS_KEPT = 4096  # ids of ended contexts remembered per socket (context_closed vs unknown_context)
+TICK_S = 0.25
+CLOSE_GRACE_S = 5.0
+
+
+class WsSession(MessageHandlers):
+    """One WebSocket: its tasks, its outgoing FIFO, its contexts; the message handlers come from
+    MessageHandlers."""
+
+    def __init__(self, runtime: Runtime, websocket: WebSocket):
+        self.runtime, self.ws = runtime, websocket
+        self.id = uuid.uuid4().hex[:16]
+        self.limits = runtime.limits
+        self.defaults = runtime.defaults
+        self.out = OutQueue()
+        self.contexts: dict[str, WsContext] = {}
+        self.ended_ids: OrderedDict[str, None] = OrderedDict()
+        self._stream_ids = itertools.count(1)
+        self.last_client_activity = time.monotonic()
+        self.ending = False
+        self.close_code: int | None = None
+        self.finished = asyncio.Event()
+        self.draining_sent = False
+
+    # ------------------------------------------------------------------ output
+    def send(self, msg: dict) -> None:
+        if msg.get("type") == "error":
+            self.runtime.metrics.errors.inc("ws", msg["code"])
+        self.out.put(OutItem(dumps(msg)))
+
+    def error(self, exc: ProtocolError, *, context_id: str | None = None, event_id: Any = None) -> None:
+        self.send(ws_error(exc.code, exc.message, context_id=exc.context_id or context_id, event_id=event_id,
+                           param=exc.param))
+
+    def check_unsent(self) -> None:
+        if self.out.unsent_s > self.limits.max_unsent_audio_s and not self.ending:
+            self.runtime.metrics.slow_readers.inc()
+            log.warning("session %s: %.1f s of audio unsent (limit %.1f s): slow reader, closing with 4009",
+                        self.id, self.out.unsent_s, self.limits.max_unsent_audio_s)
+            self.end(ERRORS["slow_reader"].close_code, "slow reader: unsent audio over max_unsent_audio_s",
+                     error=ws_error("slow_reader", f"over {self.limits.max_unsent_audio_s:g} s of audio waited to be "
+                                    "sent (limits.max_unsent_audio_s): read faster"), immediate=True)
+
+    def end(self, code: int, reason: str, *, error: dict | None = None, immediate: bool = False) -> None:
+        """Close the session: queue (or, when `immediate`, put first after dropping everything queued) an
+        optional error and the close. Open contexts are cancelled in the engine without messages."""
+        if self.ending:
+            return
+        self.ending = True
+        self.close_code = code
+        for ctx in list(self.contexts.values()):
+            ctx.abandon()
+            self.context_ended(ctx, "abandoned")
+        if immediate:
+            self.out.purge()
+            self.out.put(OutItem(close=(code, reason)), front=True)
+            if error is not None:
+                self.out.put(OutItem(dumps(error)), front=True)
+        else:
+            if error is not None:
+                self.send(error)
+            self.out.put(OutItem(close=(code, reason)))
+        asyncio.get_running_loop().call_later(CLOSE_GRACE_S if not immediate else 2 * CLOSE_GRACE_S,
+                                              self.finished.set)
+
+    async def _emit(self) -> None:
+        try:
+            while True:
+                item = await self.out.get()
+                if item.close is not None:
+                    try:
+                        await self.ws.close(item.close[0], item.close[1][:120])
+                    finally:
+                        self.finished.set()
+                    return
+                data = item.data if item.render is None else item.render()
+                try:
+                    if isinstance(data, bytes):
+                        await self.ws.send_bytes(data)
+                    else:
+                        await self.ws.send_text(data)
+                finally:
+                    self.out.sent(item)
+                if item.on_sent is not None:
+                    item.on_sent()
+        except (WebSocketDisconnect, RuntimeError, OSError, ConnectionError) as exc:
+            log.debug("session %s: emit stopped: %s", self.id, exc)
+        except Exception:  # noqa: BLE001
+            log.exception("session %s: emit task failed", self.id)
+        finally:
+            self.finished.set()
+
+    # ------------------------------------------------------------------ life cycle
+    async def run(self) -> None:
+        rt = self.runtime
+        rt.sessions.add(self)
+        rt.metrics.sessions.inc()
+        emit = asyncio.create_task(self._emit(), name=f"ws-emit-{self.id}")
+        ticker = asyncio.create_task(self._tick(), name=f"ws-tick-{self.id}")
+        recv = asyncio.create_task(self._receive(), name=f"ws-recv-{self.id}")
+        self.send(self._session_created())
+        if rt.draining:
+            self.on_drain(max(0.0, (rt.drain_deadline or time.monotonic()) - time.monotonic()))
+        try:
+            finished = asyncio.create_task(self.finished.wait())
+            await asyncio.wait({recv, finished}, return_when=asyncio.FIRST_COMPLETED)
+            finished.cancel()
+            if recv.done() and not recv.cancelled() and recv.exception() is not None and not self.ending:
+                log.error("session %s: receive task failed", self.id, exc_info=recv.exception())
+                self.end(CLOSE_INTERNAL, "internal error",
+                         error=ws_error("internal", "server error: the session ends", fatal=True))
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.finished.wait(), CLOSE_GRACE_S * 2)
+        finally:
+            for ctx in list(self.contexts.values()):
+                ctx.abandon()
+                self.context_ended(ctx, "abandoned")
+            for t in (recv, ticker):
+                t.cancel()
+            if not emit.done():
+                if self.ending and not self.finished.is_set():
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.finished.wait(), CLOSE_GRACE_S)
+                emit.cancel()
+            rt.sessions.discard(self)
+            rt.metrics.sessions.dec()
+            rt.metrics.sessions_total.inc(str(self.close_code or "client"))
+            log.info("session %s closed (%s)", self.id, self.close_code or "by the client")
+
+    def _session_created(self) -> dict:
+        rt = self.runtime
+        info = rt.info
+        limits = {"max_contexts": self.limits.max_contexts,
+                  "max_text_chars_per_message": self.limits.max_text_chars_per_message,
+                  "max_text_chars_per_context": self.limits.max_text_chars_per_context,
+                  "max_message_bytes": self.limits.max_message_bytes, "max_frames": rt.max_frames,
+                  "idle_timeout_s": self.limits.idle_timeout_s,
+                  "context_idle_timeout_s": self.limits.context_idle_timeout_s,
+                  "max_unsent_audio_s": self.limits.max_unsent_audio_s}
+        return {"type": "session.created", "session_id": self.id, "protocol": PROTOCOL_VERSION, "model": info.name,
+                "limits": limits, "defaults": self.defaults.to_dict(rt.sampling_base),
+                "voices": [{"name": v.name, "languages": list(v.languages)} for v in info.voices],
+                "languages": list(info.languages),
+                "bench_frames_per_word": rt.config.engine.scheduler.bench_frames_per_word,
+                "random_weights": info.random_weights, "supports_instructions": info.supports_instructions}
+
+    def on_drain(self, deadline_s: float) -> None:
+        if not self.draining_sent and not self.ending:
+            self.draining_sent = True
+            self.send({"type": "session.draining", "deadline_s": round(deadline_s, 3)})
+
+    async def _tick(self) -> None:
+        rt = self.runtime
+        while not self.ending:
+            await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            if not rt.engine_running():
+                for ctx in list(self.contexts.values()):
+                    if not ctx.ended:
+                        ctx.abandon()
+                        self.send(ws_error("internal", "the engine stopped", context_id=ctx.id))
+                        ctx._end_message("error")
+                self.end(CLOSE_INTERNAL, "engine stopped",
+                         error=ws_error("internal", "the engine stopped; reconnect later", fatal=True))
+                return
+            for ctx in list(self.contexts.values()):
+                if (not ctx.input_closed and not ctx.timeout_requested and not ctx.ended
+                        and now - ctx.last_activity > self.limits.context_idle_timeout_s):
+                    ctx.log.info("context %s idle for %.0f s: ending with reason timeout", ctx.id,
+                                 self.limits.context_idle_timeout_s)
+                    ctx.timeout_requested = True
+                    ctx.ectx.cancel()
+            if rt.draining:
+                if not self.contexts:
+                    self.end(CLOSE_GOING_AWAY, "server draining")
+                    return
+                if rt.drain_deadline is not None and now > rt.drain_deadline:
+                    for ctx in list(self.contexts.values()):
+                        ctx.cancel(None, None)
+                    self.end(CLOSE_GOING_AWAY, "server draining")
+                    return
+            elif not self.contexts and now - self.last_client_activity > self.limits.idle_timeout_s:
+                log.info("session %s idle for %.0f s: closing with 4008", self.id, self.limits.idle_timeout_s)
+                self.end(ERRORS["idle_timeout"].close_code, "idle timeout",
+                         error=ws_error("idle_timeout", f"no message for {self.limits.idle_timeout_s:g} s"))
+                return
+
+    # ------------------------------------------------------------------ input
+    async def _receive(self) -> None:
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                if self.close_code is None:
+                    self.close_code = message.get("code")
+                    if self.close_code == 1009:
+                        self.runtime.metrics.rejections.inc("ws", "message_too_big")
+                return
+            if self.ending:
+                continue
+            self.last_client_activity = time.monotonic()
+            text = message.get("text")
+            if text is None:
+                self.error(ProtocolError("invalid_json", "binary frames are not accepted; send JSON text frames"))
+                continue
+            try:
+                obj = parse_json_object(text)
+            except ProtocolError as exc:
+                self.error(exc)
+                continue
+            self.handle(obj)
+            if self.ending:
+                # a session.close: let the emit task write what is queued and the close
+                await self.finished.wait()
+                return
+
+    # ------------------------------------------------------------------ bookkeeping
+    def context_ended(self, ctx: WsContext, reason: str) -> None:
+        if self.contexts.get(ctx.id) is not ctx:
+            return
+        del self.contexts[ctx.id]
+        self.ended_ids[ctx.id] = None
+        while len(self.ended_ids) > ENDED_IDS_KEPT:
+            self.ended_ids.popitem(last=False)
+        self.last_client_activity = max(self.last_client_activity, time.monotonic())
+        m = self.runtime.metrics
+        m.active_contexts.dec("ws")
+        m.contexts.inc("ws", reason)
+        ctx.log.info("context %s ended: %s (frames %d, generated %.0f ms, sent %.0f ms)", ctx.id, reason,
+                     ctx.frames, ctx.generated_samples / 24.0, ctx.sent_end_ms)
+
+
+# ---------------------------------------------------------------------------------------------------- endpoint
+
+
+async def websocket_endpoint(websocket: WebSocket) -> None:
+    rt: Runtime = websocket.app.state.runtime
+    offered = websocket.scope.get("subprotocols") or []
+    await websocket.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
+
+    async def refuse(code: str, message: str, close_code: int) -> None:
+        rt.metrics.rejections.inc("ws", code)
+        rt.metrics.errors.inc("ws", code)
+        try:
+            await websocket.send_text(dumps(ws_error(code, message, fatal=True)))
+            await websocket.close(close_code, message[:120])
+        except (RuntimeError, OSError, WebSocketDisconnect):
+            pass
+
+    headers = websocket.headers
+    if not rt.origins.allows(headers.get("origin"), headers.get("host")):
+        return await refuse("origin_not_allowed", "this browser origin is not allowed (--allowed-origins)", 4003)
+    if rt.keys.enabled:
+        key = bearer_token(headers) or query_token(websocket.scope.get("query_string", b"")) or \
+            subprotocol_token(offered)
+        if not rt.keys.check(key):
+            return await refuse("unauthorized", "a valid API key is required: Authorization: Bearer <key>, "
+                                "?token=<key> or the subprotocol bearer.<key>", 4001)
+    if rt.engine is None:
+        return await refuse("not_ready", "the model is still loading; retry shortly", 1013)
+    if rt.draining:
+        return await refuse("overloaded", "the server is draining; connect to another server", CLOSE_GOING_AWAY)
+    if rt.config.max_sessions and len(rt.sessions) >= rt.config.max_sessions:
+        return await refuse("too_many_sessions", f"{rt.config.max_sessions} sessions are open (--max-sessions)",
+                            4029)
+    await WsSession(rt, websocket).run()

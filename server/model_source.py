@@ -1,0 +1,115 @@
+"""`--model`: a checkpoint directory, `tiny-random` (a small random checkpoint made once into a cache folder, the
+embedded default), or `random:1.7b` / `random:0.6b` / `random:tiny` (random weights built in memory).
+
+Cache folder: $VOICELANE_CACHE, else ~/.cache/voicelane. Folders are written under a temporary name and renamed
+into place, so concurrent first starts never see half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine.model.checkpoint import LoadedModel, load_checkpoint
+
+log = logging.getLogger("voicelane.server")
+TINY_RANDOM = "tiny-random"
+TINY_RANDOM_DIR = "tiny-random-v1"
+TOKENIZER_DIR = "qwen2-tokenizer-v1"
+RANDOM_SIZES = {"1.7b": "1.7b", "0.6b": "0.6b", "tiny": "tiny"}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+RANDOM_NOTICE = """
+################################################################################
+#                                                                              #
+#   RANDOM WEIGHTS: this server speaks NOISE, not speech.                      #
+#                                                                              #
+#   model {model:<69}#
+#   It exercises the whole pipeline (protocol, scheduling, streaming, codecs)  #
+#   with random weights of the published geometry. For real speech, pass a     #
+#   Qwen3-TTS 12Hz CustomVoice checkpoint: --model /path/to/checkpoint         #
+#                                                                              #
+################################################################################
+"""
+
+
+class ModelSourceError(ValueError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VOICELANE_CACHE") or Path.home() / ".cache" / "voicelane")
+
+
+def is_random(spec: str) -> bool:
+    return spec == TINY_RANDOM or spec.startswith("random:")
+
+
+def _make_once(target: Path, build) -> Path:
+    if (target / ".complete").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build(tmp)
+        (tmp / ".complete").write_text("ok\n")
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / ".complete").is_file():  # a stale, incomplete folder: replace it
+                shutil.rmtree(target, ignore_errors=True)
+                os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def tiny_random_dir(seed: int = 0) -> Path:
+    from engine.model.random_model import write_checkpoint
+
+    name = TINY_RANDOM_DIR if seed == 0 else f"{TINY_RANDOM_DIR}-seed{seed}"
+    return _make_once(cache_dir() / name, lambda d: write_checkpoint(d, "tiny", seed=seed))
+
+
+def tokenizer_dir() -> Path:
+    from engine.text.tokenizer_files import write_tokenizer_files
+
+    return _make_once(cache_dir() / TOKENIZER_DIR, lambda d: write_tokenizer_files(d))
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name in ("auto", "", None):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if name not in DTYPES:
+        raise ModelSourceError(f"--dtype {name!r}; one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(spec: str, device: str, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
+    if spec == TINY_RANDOM:
+        loaded = load_checkpoint(tiny_random_dir(seed), device, dtype)
+        loaded.random_weights = True
+        loaded.source = TINY_RANDOM
+        return loaded
+    if spec.startswith("random:"):
+        from engine.model.random_model import build_random_model
+
+        size = RANDOM_SIZES.get(spec.split(":", 1)[1].lower())
+        if size is None:
+            raise ModelSourceError(f"--model {spec!r}; random sizes: random:1.7b, random:0.6b, random:tiny")
+        return build_random_model(size, device, dtype, seed, tokenizer_dir())
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise ModelSourceError(f"--model {spec!r} is not a directory; give a Qwen3-TTS checkpoint directory, "
+                               "tiny-random, random:1.7b or random:0.6b")
+    loaded = load_checkpoint(path, device, dtype)
+    if loaded.tokenizer_dir is None:
+        raise ModelSourceError(f"{path}: no tokenizer files (tokenizer.json or vocab.json + merges.txt)")
+    return loaded

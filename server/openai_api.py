@@ -1,0 +1,424 @@
+"""The HTTP front door (PROTOCOL.md 2): `POST /v1/audio/speech` in the OpenAI shape, `GET /v1/audio/voices`,
+`GET /v1/models`.
+
+The request's whole text is one segment of one context, on the same text pipeline, sampling settings and audio
+stages as the WebSocket (same seed and text: the same codes). Errors are `{"error": {message, type, param, code}}`
+with the status of the protocol's error table; 503s carry Retry-After. The response streams as audio is made
+(or, with `stream: false`, comes whole); when the client goes away the context is cancelled at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine.api import AudioChunk, ContextDone, ContextSpec, EngineError, Overloaded, SegmentDone
+from engine.engine import Context as EngineContext
+from server.audio.stream import HttpAudioStream
+from server.audio.wav import wav_header
+from server.auth import bearer_token
+from server.logs import context_logger, current_trace
+from server.options import SAMPLING_FIELDS, ContextOptions, resolve_context_options
+from server.protocol import (
+    ERRORS,
+    ProtocolError,
+    get_bool,
+    get_number,
+    get_str,
+    http_error_body,
+    parse_json_object,
+)
+from server.runtime import Runtime
+from server.textpipe import encode_whole
+
+log = logging.getLogger("voicelane.http")
+RESPONSE_FORMATS = ("mp3", "pcm", "wav", "opus")
+STREAM_FORMATS = ("audio", "sse")
+TOP_LEVEL_SAMPLING = (*SAMPLING_FIELDS, "subtalker")
+RETRY_AFTER_S = "1"
+ENGINE_CHECK_S = 2.0
+
+
+def error_response(code: str, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    kind = ERRORS[code]
+    h = dict(headers or {})
+    if kind.http_status in (503, 429) and "Retry-After" not in h:
+        h["Retry-After"] = RETRY_AFTER_S
+    if kind.http_status == 401:
+        h["WWW-Authenticate"] = 'Bearer realm="voicelane"'
+    return JSONResponse(http_error_body(code, message, param), status_code=kind.http_status, headers=h)
+
+
+def check_access(request: Request, rt: Runtime) -> JSONResponse | None:
+    if not rt.origins.allows(request.headers.get("origin"), request.headers.get("host")):
+        rt.metrics.rejections.inc("http", "origin_not_allowed")
+        return error_response("origin_not_allowed", "this browser origin is not allowed (--allowed-origins)")
+    if rt.keys.enabled and not rt.keys.check(bearer_token(request.headers)):
+        rt.metrics.rejections.inc("http", "unauthorized")
+        return error_response("unauthorized", "a valid API key is required: Authorization: Bearer <key>")
+    return None
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    text: str
+    options: ContextOptions
+    response_format: str
+    stream: bool
+    stream_format: str
+
+
+def parse_speech(obj: dict, rt: Runtime) -> SpeechRequest:
+    text = obj.get("input")
+    if not isinstance(text, str):
+        raise ProtocolError("invalid_field", "'input' (the text to speak) must be a string", "input")
+    get_str(obj, "input")
+    if not text.strip():
+        raise ProtocolError("invalid_field", "'input' is empty", "input")
+    if len(text) > rt.limits.max_text_chars_per_context:
+        raise ProtocolError("text_too_long", f"'input' has {len(text)} characters; limit "
+                            f"{rt.limits.max_text_chars_per_context}", "input")
+    model = obj.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ProtocolError("invalid_field", "'model' must be a string", "model")
+    fmt = get_str(obj, "response_format") or "mp3"
+    if fmt not in RESPONSE_FORMATS:
+        raise ProtocolError("unsupported_format", f"response_format {fmt!r}; one of {', '.join(RESPONSE_FORMATS)}",
+                            "response_format")
+    speed = get_number(obj, "speed")
+    if speed is not None and speed != 1.0:
+        raise ProtocolError("invalid_field", f"speed {speed:g}: only 1.0 is supported", "speed")
+    stream = get_bool(obj, "stream")
+    stream_format = get_str(obj, "stream_format", choices=STREAM_FORMATS) or "audio"
+    layout = get_str(obj, "text_layout", choices=("dual", "whole"))
+    nsm = obj.get("non_streaming_mode")
+    if nsm is not None:
+        if not isinstance(nsm, bool):
+            raise ProtocolError("invalid_field", "'non_streaming_mode' must be true or false", "non_streaming_mode")
+        implied = "whole" if nsm else "dual"
+        if layout is not None and layout != implied:
+            raise ProtocolError("invalid_field", f"non_streaming_mode={str(nsm).lower()} contradicts text_layout "
+                                f"{layout!r}", "non_streaming_mode")
+        layout = implied
+    sampling = obj.get("sampling")
+    if sampling is not None and not isinstance(sampling, dict):
+        raise ProtocolError("invalid_field", "'sampling' must be an object", "sampling")
+    sampling = dict(sampling or {})
+    for name in TOP_LEVEL_SAMPLING:
+        if name in obj and obj[name] is not None:
+            if name in sampling:
+                raise ProtocolError("invalid_field", f"'{name}' is given both at the top level and in 'sampling'",
+                                    name)
+            sampling[name] = obj[name]
+    ctx_fields: dict[str, Any] = {k: obj[k] for k in ("voice", "language", "instructions", "text_normalization",
+                                                      "max_frames", "min_frames") if obj.get(k) is not None}
+    if layout is not None:
+        ctx_fields["text_layout"] = layout
+    ctx_fields["sampling"] = sampling
+    opts = resolve_context_options(ctx_fields, rt.defaults, rt.catalog, rt.sampling_base,
+                                   max_frames_limit=rt.max_frames,
+                                   max_instruction_chars=rt.limits.max_text_chars_per_message,
+                                   draw_seed=rt.draw_seed)
+    return SpeechRequest(text, opts, fmt, True if stream is None else stream, stream_format)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ProtocolError("text_too_long", f"request body over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def speech(request: Request) -> Response:
+    rt: Runtime = request.app.state.runtime
+    t0 = time.monotonic()
+    denied = check_access(request, rt)
+    if denied is not None:
+        return denied
+    if rt.engine is None:
+        return error_response("overloaded", "the model is still loading; retry shortly")
+    if rt.draining:
+        rt.metrics.rejections.inc("http", "draining")
+        return error_response("overloaded", "the server is draining; send the request to another server")
+    try:
+        obj = parse_json_object(await read_body(request, rt.config.http_max_body_bytes))
+        req = parse_speech(obj, rt)
+        ids, words = encode_whole(rt.tokenizer, req.text, req.options.text_normalization)
+        if not ids:
+            raise ProtocolError("invalid_field", "'input' has nothing to speak after text normalisation", "input")
+        instruction_ids = None
+        if req.options.instructions is not None:
+            if not rt.info.supports_instructions:
+                raise ProtocolError("invalid_field", "instructions are not supported by this model (0.6B)",
+                                    "instructions")
+            instruction_ids = rt.tokenizer.encode("user\n" + req.options.instructions)
+        trace_id = uuid.uuid4().hex
+        spec = ContextSpec(voice=req.options.voice, language=req.options.language, instruction_ids=instruction_ids,
+                           text_layout=req.options.text_layout, sampling=req.options.sampling, trace_id=trace_id)
+        try:
+            audio = HttpAudioStream(req.response_format, opus_complexity=rt.config.opus_complexity)
+        except RuntimeError as exc:
+            raise ProtocolError("unsupported_format", str(exc), "response_format") from None
+        fault = obj.get("test_fault") if rt.config.test_hooks else None
+        ectx = rt.engine.open_context(spec)
+        if isinstance(fault, dict) and fault.get("kind") in ("exception", "nan"):  # test hook
+            ectx.inject_fault(fault["kind"], int(fault.get("at_frame") or 0))
+    except ProtocolError as exc:
+        rt.metrics.errors.inc("http", exc.code)
+        if exc.code in ("overloaded", "text_too_long"):
+            rt.metrics.rejections.inc("http", exc.code)
+        return error_response(exc.code, exc.message, exc.param)
+    except EngineError as exc:
+        code = exc.code if exc.code in ERRORS else "internal"
+        rt.metrics.errors.inc("http", code)
+        if isinstance(exc, Overloaded):
+            rt.metrics.rejections.inc("http", "overloaded")
+        return error_response(code, str(exc), exc.param)
+    ectx.append_text(ids)
+    ectx.close(words)
+    clog = context_logger(trace_id)
+    clog.info("speech request: %d characters, %d tokens, voice %s, %s%s, seed %d", len(req.text), len(ids),
+              req.options.voice, req.response_format, " (sse)" if req.stream_format == "sse" else "",
+              req.options.sampling.seed)
+    return SpeechStream(rt, req, ectx, audio, trace_id, len(ids), t0)
+
+
+async def _no_receive():
+    return {"type": "http.disconnect"}
+
+
+async def _wait_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class SpeechStream(Response):
+    """The response body, made as the engine produces audio; the engine context is cancelled if the client
+    leaves or anything fails."""
+
+    def __init__(self, rt: Runtime, req: SpeechRequest, ectx: EngineContext, audio: HttpAudioStream,
+                 trace_id: str, n_tokens: int, t0: float):
+        self.rt, self.req, self.ectx, self.audio, self.trace_id = rt, req, ectx, audio, trace_id
+        self.n_tokens, self.t0 = n_tokens, t0
+        self.log = context_logger(trace_id)
+        self.frames = 0
+        self.codes = hashlib.sha256()
+        self.first_sent = False
+        self.started = False  # response headers sent
+        self.reason = "cancelled"
+        self.background = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        rt = self.rt
+        self.scope = scope
+        current_trace.set(self.trace_id)
+        rt.http_streams += 1
+        rt.metrics.active_contexts.inc("http")
+        watcher = asyncio.create_task(_wait_disconnect(receive))
+        worker = asyncio.create_task(self._run(send))
+        try:
+            done, _ = await asyncio.wait({watcher, worker}, return_when=asyncio.FIRST_COMPLETED)
+            if worker not in done:
+                self.log.info("client went away: cancelling")
+                self.reason = "client_gone"
+                worker.cancel()
+                try:
+                    await worker
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                    pass
+            else:
+                exc = worker.exception()
+                if exc is not None and not isinstance(exc, OSError | ConnectionError):
+                    self.log.error("speech stream failed: %r", exc)
+                    self.reason = "error"
+                    if not self.started:
+                        rt.metrics.errors.inc("http", "internal")
+                        await error_response("internal", f"synthesis stopped: {exc}")(scope, _no_receive, send)
+        finally:
+            watcher.cancel()
+            if not self.ectx.ended:
+                self.ectx.cancel()
+            rt.http_streams -= 1
+            rt.metrics.active_contexts.dec("http")
+            rt.metrics.contexts.inc("http", self.reason)
+            self.log.info("speech request ended: %s, %d frames, %.0f ms of audio in %.0f ms", self.reason,
+                          self.frames, self.audio.audio_ms, (time.monotonic() - self.t0) * 1000)
+
+    def _headers(self, content_type: str) -> list[tuple[bytes, bytes]]:
+        h = {"content-type": content_type, "cache-control": "no-store", "x-seed": str(self.req.options.sampling.seed),
+             "x-trace-id": self.trace_id}
+        if self.req.response_format in ("pcm", "wav"):
+            h["x-sample-rate"] = "24000"
+        return [(k.encode(), v.encode()) for k, v in h.items()]
+
+    async def _engine_events(self):
+        """The context's engine events; raises if the engine stops while we wait (never hangs the client)."""
+        it = self.ectx.events().__aiter__()
+        while True:
+            task = asyncio.ensure_future(it.__anext__())
+            try:
+                while True:
+                    done, _ = await asyncio.wait({task}, timeout=ENGINE_CHECK_S)
+                    if done:
+                        break
+                    if not self.rt.engine_running():
+                        raise RuntimeError("the engine stopped")
+            finally:
+                if not task.done():
+                    task.cancel()
+            try:
+                yield task.result()
+            except StopAsyncIteration:
+                return
+
+    async def _events(self):
+        loop = asyncio.get_running_loop()
+        pool = self.rt.executor
+        async for ev in self._engine_events():
+            if isinstance(ev, AudioChunk):
+                self.frames += int(ev.codes.shape[0])
+                self.codes.update(ev.codes.astype("<i8", copy=False).tobytes())
+                yield await loop.run_in_executor(pool, self.audio.process, ev.pcm), None
+            elif isinstance(ev, SegmentDone):
+                yield await loop.run_in_executor(pool, self.audio.end_segment), None
+            elif isinstance(ev, ContextDone):
+                if ev.reason == "error":
+                    yield b"", ev
+                    return
+                yield await loop.run_in_executor(pool, self.audio.finish), ev
+                return
+
+    def _error_json(self, ev: ContextDone) -> Response:
+        code = ev.error_code if ev.error_code in ("synthesis_failed", "internal") else "synthesis_failed"
+        self.rt.metrics.errors.inc("http", code)
+        return error_response(code, f"synthesis failed: {ev.error_message or 'model error'}")
+
+    def _note_audio(self, data: bytes) -> None:
+        if data and not self.first_sent:
+            self.first_sent = True
+            self.rt.metrics.ttfa.observe("http", value=time.monotonic() - self.t0)
+
+    async def _run(self, send) -> None:
+        if not self.req.stream:
+            return await self._whole(send)
+        sse = self.req.stream_format == "sse"
+        events = self._events()
+        pending = self.audio.header()
+        self.started = started = False
+        done_ev: ContextDone | None = None
+        async for data, ev in events:
+            if ev is not None and ev.reason == "error":
+                self.reason = "error"
+                if not started:  # nothing sent yet: a proper error status
+                    return await self._error_json(ev)(self.scope, _no_receive, send)
+                self.log.error("synthesis failed mid-stream: %s", ev.error_message)
+                if sse:
+                    err = http_error_body(ev.error_code or "synthesis_failed", "synthesis failed mid-stream")
+                    await send({"type": "http.response.body", "more_body": False,
+                                "body": f"data: {json.dumps({'type': 'error', **err})}\n\n".encode()})
+                else:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            if ev is not None:
+                done_ev = ev
+            data = pending + data
+            if not data and ev is None:
+                continue
+            pending = b""
+            if not started:
+                self.started = started = True
+                content_type = "text/event-stream" if sse else self.audio.content_type
+                await send({"type": "http.response.start", "status": 200, "headers": self._headers(content_type)})
+            if data:
+                self._note_audio(data)
+                body = (f"data: {json.dumps({'type': 'speech.audio.delta', 'audio': base64.b64encode(data).decode()})}"
+                        "\n\n").encode() if sse else data
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+        self.reason = done_ev.reason if done_ev is not None else "completed"
+        self.rt.metrics.audio_seconds.inc("http", amount=self.audio.audio_ms / 1000.0)
+        tail = b""
+        if sse:
+            done = {"type": "speech.audio.done",
+                    "usage": {"input_tokens": self.n_tokens, "output_tokens": self.frames,
+                              "total_tokens": self.n_tokens + self.frames},
+                    "reason": self.reason, "seed": self.req.options.sampling.seed, "frames": self.frames,
+                    "audio_ms": round(self.audio.audio_ms, 3), "codes_sha256": self.codes.hexdigest()}
+            tail = f"data: {json.dumps(done)}\n\n".encode()
+        if not started:
+            await send({"type": "http.response.start", "status": 200, "headers": self._headers(
+                "text/event-stream" if sse else self.audio.content_type)})
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def _whole(self, send) -> None:
+        parts: list[bytes] = []
+        done_ev = None
+        async for data, ev in self._events():
+            if ev is not None and ev.reason == "error":
+                self.reason = "error"
+                return await self._error_json(ev)(self.scope, _no_receive, send)
+            parts.append(data)
+            done_ev = ev or done_ev
+        self.reason = done_ev.reason if done_ev is not None else "completed"
+        body = b"".join(parts)
+        if self.req.response_format == "wav":  # exact sizes: the length is known
+            body = wav_header(24000, num_samples=len(body) // 2) + body
+        else:
+            body = self.audio.header() + body
+        self.rt.metrics.audio_seconds.inc("http", amount=self.audio.audio_ms / 1000.0)
+        headers = self._headers(self.audio.content_type) + [
+            (b"content-length", str(len(body)).encode()), (b"x-codes-sha256", self.codes.hexdigest().encode()),
+            (b"x-frames", str(self.frames).encode()), (b"x-audio-ms", f"{self.audio.audio_ms:.3f}".encode()),
+            (b"x-finish-reason", self.reason.encode())]
+        if self.req.stream_format == "sse":
+            done = {"type": "speech.audio.done", "reason": self.reason, "seed": self.req.options.sampling.seed,
+                    "frames": self.frames, "audio_ms": round(self.audio.audio_ms, 3),
+                    "codes_sha256": self.codes.hexdigest()}
+            body = (f"data: {json.dumps({'type': 'speech.audio.delta', 'audio': base64.b64encode(body).decode()})}"
+                    f"\n\ndata: {json.dumps(done)}\n\n").encode()
+            headers = [h for h in self._headers("text/event-stream")] + [(b"content-length", str(len(body)).encode())]
+        self._note_audio(body)
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def voices(request: Request) -> Response:
+    rt: Runtime = request.app.state.runtime
+    denied = check_access(request, rt)
+    if denied is not None:
+        return denied
+    if rt.engine is None:
+        return error_response("overloaded", "the model is still loading")
+    info = rt.info
+    return JSONResponse({"object": "list", "model": info.name, "default_voice": rt.defaults.voice,
+                         "voices": [{"name": v.name, "id": v.name, "languages": list(v.languages)}
+                                    for v in info.voices],
+                         "languages": list(info.languages), "supports_instructions": info.supports_instructions})
+
+
+async def models(request: Request) -> Response:
+    rt: Runtime = request.app.state.runtime
+    denied = check_access(request, rt)
+    if denied is not None:
+        return denied
+    if rt.engine is None:
+        return error_response("overloaded", "the model is still loading")
+    info = rt.info
+    return JSONResponse({"object": "list", "data": [{
+        "id": info.name, "object": "model", "created": int(rt.started_at), "owned_by": "voicelane",
+        "model_size": info.model_size, "random_weights": info.random_weights, "sample_rate": info.sample_rate,
+        "voices": [v.name for v in info.voices], "languages": list(info.languages)}]})

@@ -1,0 +1,303 @@
+"""What a context is opened with (PROTOCOL.md 1.1, 1.4, 1.6, 3): output formats, sampling settings, voices and
+languages, session defaults, and their resolution into ContextOptions - shared by the WebSocket and HTTP doors, so
+the same fields mean the same thing on both.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from engine.model.sampling_params import SamplingError, SamplingParams
+from server.protocol import ProtocolError, get_int, get_number, get_object, get_str, type_name
+
+# ------------------------------------------------------------------------------------------------ output formats
+
+PCM_RATES = (24000, 16000, 8000)
+OPUS_BITRATE_RANGE = (6000, 256000)
+_SHORTHAND = re.compile(r"^(pcm|pcm_s16le|pcm_f32le|mulaw|ulaw|pcm_mulaw|opus)(?:_(\d+))?(?:_(\d+))?$")
+_ENCODING_ALIASES = {"pcm": "pcm_s16le", "mulaw": "pcm_mulaw", "ulaw": "pcm_mulaw"}
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    encoding: str = "pcm_s16le"  # pcm_s16le | pcm_f32le | pcm_mulaw | opus
+    sample_rate: int = 24000  # 48000 for Opus (the decoder clock); the PCM rate otherwise
+    channels: int = 1
+    frame_ms: int = 20  # Opus only
+    bitrate: int = 32000  # Opus only
+
+    @property
+    def is_opus(self) -> bool:
+        return self.encoding == "opus"
+
+    @property
+    def clock_rate(self) -> int:
+        return 48000 if self.is_opus else self.sample_rate
+
+    def to_dict(self) -> dict:
+        d: dict[str, Any] = {"encoding": self.encoding, "sample_rate": self.sample_rate, "channels": self.channels}
+        if self.is_opus:
+            d |= {"frame_ms": self.frame_ms, "bitrate": self.bitrate}
+        return d
+
+
+def parse_output_format(v: Any, param: str = "output_format") -> OutputFormat:
+    """The object form or a shorthand string ("opus_48000_32", "pcm_24000", "pcm_16000", "mulaw_8000")."""
+    if isinstance(v, str):
+        m = _SHORTHAND.match(v.strip().lower())
+        if not m:
+            raise ProtocolError("unsupported_format", f"unknown output format {v!r}; use an object or one of "
+                                "opus_48000_32, pcm_24000, pcm_16000, pcm_8000, mulaw_8000", param)
+        enc = _ENCODING_ALIASES.get(m.group(1), m.group(1))
+        obj: dict[str, Any] = {"encoding": enc}
+        if m.group(2):
+            obj["sample_rate"] = int(m.group(2))
+        if m.group(3):
+            if enc != "opus":
+                raise ProtocolError("unsupported_format", f"unknown output format {v!r}", param)
+            obj["bitrate"] = int(m.group(3)) * 1000
+        v = obj
+    if not isinstance(v, dict):
+        raise ProtocolError("invalid_field", f"'{param}' must be an object or a string, got {type_name(v)}", param)
+    enc = get_str(v, "encoding", param=f"{param}.encoding") or "pcm_s16le"
+    enc = _ENCODING_ALIASES.get(enc, enc)
+    rate = get_int(v, "sample_rate", param=f"{param}.sample_rate")
+    channels = get_int(v, "channels", param=f"{param}.channels")
+    if channels not in (None, 1):
+        raise ProtocolError("unsupported_format", f"channels {channels}: only mono (1) is produced", param)
+    if enc == "opus":
+        if rate not in (None, 48000):
+            raise ProtocolError("unsupported_format", f"Opus sample_rate {rate}: Opus streams use the 48000 Hz "
+                                "decoder clock (encoded from the model's 24 kHz PCM)", param)
+        frame_ms = get_int(v, "frame_ms", param=f"{param}.frame_ms")
+        if frame_ms not in (None, 20):
+            raise ProtocolError("unsupported_format", f"Opus frame_ms {frame_ms}: only 20 ms packets are produced",
+                                param)
+        bitrate = get_int(v, "bitrate", param=f"{param}.bitrate")
+        if bitrate is not None and not OPUS_BITRATE_RANGE[0] <= bitrate <= OPUS_BITRATE_RANGE[1]:
+            raise ProtocolError("unsupported_format", f"Opus bitrate {bitrate}; allowed "
+                                f"{OPUS_BITRATE_RANGE[0]}..{OPUS_BITRATE_RANGE[1]} bit/s", param)
+        return OutputFormat("opus", 48000, 1, 20, bitrate or 32000)
+    if enc == "pcm_mulaw":
+        if rate not in (None, 8000):
+            raise ProtocolError("unsupported_format", f"pcm_mulaw sample_rate {rate}: mu-law is 8000 Hz", param)
+        return OutputFormat("pcm_mulaw", 8000)
+    if enc in ("pcm_s16le", "pcm_f32le"):
+        rate = rate or 24000
+        if rate not in PCM_RATES:
+            raise ProtocolError("unsupported_format", f"PCM sample_rate {rate}; one of {PCM_RATES}", param)
+        return OutputFormat(enc, rate)
+    raise ProtocolError("unsupported_format", f"unknown encoding {enc!r}; one of pcm_s16le, pcm_f32le, pcm_mulaw, "
+                        "opus", param)
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+
+# protocol field -> SamplingParams field
+SAMPLING_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                   "repetition_penalty": "repetition_penalty", "seed": "seed"}
+SUBTALKER_FIELDS = {"temperature": "sub_temperature", "top_k": "sub_top_k", "top_p": "sub_top_p"}
+_INT_FIELDS = {"top_k", "seed", "sub_top_k"}
+_PARAM_NAMES = {v: k for k, v in SAMPLING_FIELDS.items()} | {v: f"subtalker.{k}" for k, v in SUBTALKER_FIELDS.items()}
+
+
+def parse_sampling(v: Any, param: str = "sampling") -> dict[str, Any]:
+    """The protocol's `sampling` object -> {SamplingParams field: value} (only the fields given; null = unset).
+    Types are checked here, ranges by `validate_sampling`."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ProtocolError("invalid_field", f"'{param}' must be an object, got {type_name(v)}", param)
+    out: dict[str, Any] = {}
+    for name, ours in SAMPLING_FIELDS.items():
+        out.update(_sampling_value(v, name, ours, f"{param}.{name}"))
+    sub = get_object(v, "subtalker", param=f"{param}.subtalker")
+    if sub is not None:
+        for name, ours in SUBTALKER_FIELDS.items():
+            out.update(_sampling_value(sub, name, ours, f"{param}.subtalker.{name}"))
+    return out
+
+
+def _sampling_value(obj: dict, name: str, ours: str, param: str) -> dict[str, Any]:
+    if name not in obj:
+        return {}
+    if obj[name] is None:
+        return {ours: None}
+    if ours in _INT_FIELDS:
+        return {ours: get_int(obj, name, param=param)}
+    return {ours: get_number(obj, name, param=param)}
+
+
+def sampling_to_protocol(d: dict[str, Any]) -> dict[str, Any]:
+    """{SamplingParams field: value} -> the protocol's nested shape (only the fields present)."""
+    out: dict[str, Any] = {}
+    for name, ours in SAMPLING_FIELDS.items():
+        if ours in d:
+            out[name] = d[ours]
+    sub = {name: d[ours] for name, ours in SUBTALKER_FIELDS.items() if ours in d}
+    if sub:
+        out["subtalker"] = sub
+    return out
+
+
+def params_to_protocol(p: SamplingParams, *, seed: bool = False) -> dict[str, Any]:
+    d = {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "repetition_penalty": p.repetition_penalty,
+         "subtalker": {"temperature": p.sub_temperature, "top_k": p.sub_top_k, "top_p": p.sub_top_p}}
+    if seed:
+        d["seed"] = p.seed
+    return d
+
+
+def validate_sampling(base: SamplingParams, overrides: dict[str, Any], param: str = "sampling") -> SamplingParams:
+    """base + overrides (None values keep base), range-checked; ProtocolError(invalid_field) names the field."""
+    try:
+        return base.with_overrides(**{k: v for k, v in overrides.items() if v is not None})
+    except SamplingError as exc:
+        text = str(exc)
+        head = text.split(" = ", 1)[0].strip()
+        field_name = head if head in _PARAM_NAMES.values() or head in ("min_frames", "max_frames") else None
+        p = param if field_name is None else (field_name if field_name.endswith("_frames") else f"{param}.{field_name}")
+        raise ProtocolError("invalid_field", text, p) from None
+
+
+# ------------------------------------------------------------------------------------------------ voices, languages
+
+LANGUAGE_CODES = {"en": "english", "zh": "chinese", "de": "german", "it": "italian", "pt": "portuguese",
+                  "es": "spanish", "ja": "japanese", "ko": "korean", "fr": "french", "ru": "russian"}
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """What the served checkpoint can speak (from engine.info): voices and languages, case-insensitive."""
+
+    voices: tuple[str, ...]  # lower-case speaker names
+    languages: tuple[str, ...]  # lower-case names, "auto" first
+
+    def voice(self, v: Any, param: str = "voice") -> str:
+        if not isinstance(v, str) or not v.strip():
+            raise ProtocolError("invalid_field", f"'{param}' must be a non-empty string", param)
+        name = v.strip().lower()
+        if name not in self.voices:
+            raise ProtocolError("unknown_voice", f"unknown voice {v!r}; voices: {', '.join(self.voices)}", param)
+        return name
+
+    def language(self, v: Any, param: str = "language") -> str:
+        if not isinstance(v, str) or not v.strip():
+            raise ProtocolError("invalid_field", f"'{param}' must be a non-empty string", param)
+        name = v.strip().lower()
+        name = LANGUAGE_CODES.get(name, name)
+        if name not in self.languages:
+            raise ProtocolError("unknown_language", f"unknown language {v!r}; languages: {', '.join(self.languages)} "
+                                "or their ISO 639-1 codes", param)
+        return name
+
+
+# ------------------------------------------------------------------------------------------------ session defaults
+
+TRANSPORTS = ("binary", "json")
+LAYOUTS = ("dual", "whole")
+NORMALIZATIONS = ("llm", "none")
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """`session.created.defaults`: what a context gets for every field it does not set."""
+
+    voice: str
+    language: str = "auto"
+    output_format: OutputFormat = field(default_factory=OutputFormat)
+    audio_transport: str = "binary"
+    text_layout: str = "dual"
+    text_normalization: str = "llm"
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams overrides of the server defaults
+
+    def to_dict(self, base: SamplingParams) -> dict:
+        shown = params_to_protocol(base)
+        over = sampling_to_protocol(self.sampling)
+        sub = over.pop("subtalker", {})
+        shown.update(over)
+        shown["subtalker"].update(sub)
+        return {"voice": self.voice, "language": self.language, "output_format": self.output_format.to_dict(),
+                "audio_transport": self.audio_transport, "text_layout": self.text_layout,
+                "text_normalization": self.text_normalization, "sampling": shown}
+
+    def updated(self, obj: Any, catalog: Catalog, base: SamplingParams, param: str = "defaults") -> Defaults:
+        """A new Defaults with the fields of `obj` applied, all validated (nothing changes on error)."""
+        if not isinstance(obj, dict):
+            raise ProtocolError("invalid_field", f"'{param}' must be an object, got {type_name(obj)}", param)
+        d = self
+        if obj.get("voice") is not None:
+            d = replace(d, voice=catalog.voice(obj["voice"], f"{param}.voice"))
+        if obj.get("language") is not None:
+            d = replace(d, language=catalog.language(obj["language"], f"{param}.language"))
+        if obj.get("output_format") is not None:
+            d = replace(d, output_format=parse_output_format(obj["output_format"], f"{param}.output_format"))
+        for name, choices in (("audio_transport", TRANSPORTS), ("text_layout", LAYOUTS),
+                              ("text_normalization", NORMALIZATIONS)):
+            v = get_str(obj, name, choices=choices, param=f"{param}.{name}")
+            if v is not None:
+                d = replace(d, **{name: v})
+        if "sampling" in obj:
+            over = dict(d.sampling)
+            for k, v in parse_sampling(obj["sampling"], f"{param}.sampling").items():
+                if v is None:
+                    over.pop(k, None)
+                else:
+                    over[k] = v
+            validate_sampling(base, over, f"{param}.sampling")
+            d = replace(d, sampling=over)
+        return d
+
+
+# ------------------------------------------------------------------------------------------------ contexts
+
+
+@dataclass(frozen=True)
+class ContextOptions:
+    """Everything a context is opened with, resolved against the session defaults and validated."""
+
+    voice: str
+    language: str
+    instructions: str | None
+    output_format: OutputFormat
+    audio_transport: str
+    text_layout: str
+    text_normalization: str
+    sampling: SamplingParams  # seed included (given, or drawn by the caller when `seed_given` is False)
+    seed_given: bool
+
+
+def resolve_context_options(obj: dict, defaults: Defaults, catalog: Catalog, base: SamplingParams, *,
+                            max_frames_limit: int, max_instruction_chars: int, draw_seed) -> ContextOptions:
+    """`context.create` (or an HTTP request) fields over the defaults. `draw_seed()` gives a seed when none is set."""
+    voice = catalog.voice(obj["voice"]) if obj.get("voice") is not None else defaults.voice
+    language = catalog.language(obj["language"]) if obj.get("language") is not None else defaults.language
+    instructions = get_str(obj, "instructions", max_chars=max_instruction_chars)
+    if instructions is not None and not instructions.strip():
+        instructions = None
+    fmt = parse_output_format(obj["output_format"]) if obj.get("output_format") is not None else defaults.output_format
+    transport = get_str(obj, "audio_transport", choices=TRANSPORTS) or defaults.audio_transport
+    layout = get_str(obj, "text_layout", choices=LAYOUTS) or defaults.text_layout
+    norm = get_str(obj, "text_normalization", choices=NORMALIZATIONS) or defaults.text_normalization
+    over = dict(defaults.sampling)
+    for k, v in parse_sampling(obj.get("sampling")).items():
+        if v is None:
+            over.pop(k, None)
+        else:
+            over[k] = v
+    max_frames = get_int(obj, "max_frames", minimum=1, maximum=max_frames_limit)
+    min_frames = get_int(obj, "min_frames", minimum=0)
+    if max_frames is not None:
+        over["max_frames"] = max_frames
+    if min_frames is not None:
+        over["min_frames"] = min_frames
+    seed_given = over.get("seed") is not None
+    if not seed_given:
+        over["seed"] = draw_seed()
+    sampling = validate_sampling(base, over)
+    if sampling.max_frames > max_frames_limit:
+        raise ProtocolError("invalid_field", f"max_frames {sampling.max_frames} is above this server's limit "
+                            f"{max_frames_limit}", "max_frames")
+    return ContextOptions(voice, language, instructions, fmt, transport, layout, norm, sampling, seed_given)

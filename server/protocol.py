@@ -1,0 +1,277 @@
+"""The wire contract of PROTOCOL.md, validated at the edge: the one error table (codes -> HTTP status, WebSocket
+fatal / retryable / close code), the JSON field readers, and the client message envelope. Every bad input becomes a
+ProtocolError with its code. (What a context is opened with - formats, sampling, voices, defaults - is in
+server/options.py.)
+
+Nothing here touches sockets, the engine or audio: parsing is pure, so the gateway and the HTTP front door share it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+PROTOCOL_VERSION = "voicelane/1"
+SUBPROTOCOL = "voicelane.v1"
+MAX_ID_CHARS = 128
+
+# ------------------------------------------------------------------------------------------------- the error table
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    http_status: int
+    http_type: str  # OpenAI-style error "type"
+    retryable: bool = False
+    fatal: bool = False  # WebSocket: the session ends (close_code)
+    close_code: int | None = None
+
+
+ERRORS: dict[str, ErrorKind] = {
+    # per message / per context (never fatal on the WebSocket)
+    "invalid_json": ErrorKind(400, "invalid_request_error"),
+    "unknown_type": ErrorKind(400, "invalid_request_error"),
+    "invalid_field": ErrorKind(400, "invalid_request_error"),
+    "unknown_context": ErrorKind(404, "invalid_request_error"),
+    "context_closed": ErrorKind(409, "invalid_request_error"),
+    "duplicate_context": ErrorKind(409, "invalid_request_error"),
+    "context_limit": ErrorKind(429, "rate_limit_error"),
+    "text_too_long": ErrorKind(413, "invalid_request_error"),
+    "unsupported_format": ErrorKind(400, "invalid_request_error"),
+    "unknown_voice": ErrorKind(400, "invalid_request_error"),
+    "unknown_language": ErrorKind(400, "invalid_request_error"),
+    "overloaded": ErrorKind(503, "overloaded_error", retryable=True),
+    "synthesis_failed": ErrorKind(500, "server_error"),
+    "internal": ErrorKind(500, "server_error"),
+    # session level (fatal on the WebSocket; the close code says why)
+    "unauthorized": ErrorKind(401, "authentication_error", fatal=True, close_code=4001),
+    "origin_not_allowed": ErrorKind(403, "permission_error", fatal=True, close_code=4003),
+    "idle_timeout": ErrorKind(408, "invalid_request_error", fatal=True, close_code=4008),
+    "slow_reader": ErrorKind(400, "invalid_request_error", fatal=True, close_code=4009),
+    "too_many_sessions": ErrorKind(429, "rate_limit_error", retryable=True, fatal=True, close_code=4029),
+    "not_ready": ErrorKind(503, "overloaded_error", retryable=True, fatal=True, close_code=1013),
+    "not_found": ErrorKind(404, "invalid_request_error"),
+}
+WARNINGS = ("context_not_active",)
+
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001  # server draining
+CLOSE_INTERNAL = 1011
+
+
+class ProtocolError(Exception):
+    """A typed failure. `code` is a key of ERRORS; `param` names the offending field."""
+
+    def __init__(self, code: str, message: str, param: str | None = None, *, context_id: str | None = None):
+        if code not in ERRORS:
+            raise ValueError(f"unknown error code {code!r}")
+        super().__init__(message)
+        self.code, self.message, self.param, self.context_id = code, message, param, context_id
+
+    @property
+    def kind(self) -> ErrorKind:
+        return ERRORS[self.code]
+
+
+def ws_error(code: str, message: str, *, context_id: str | None = None, event_id: Any = None,
+             param: str | None = None, fatal: bool | None = None) -> dict:
+    kind = ERRORS[code]
+    msg: dict[str, Any] = {"type": "error", "code": code, "message": message,
+                           "fatal": kind.fatal if fatal is None else fatal, "retryable": kind.retryable}
+    if context_id is not None:
+        msg["context_id"] = context_id
+    if event_id is not None:
+        msg["event_id"] = event_id
+    if param is not None:
+        msg["param"] = param
+    return msg
+
+
+def ws_warning(code: str, message: str, *, context_id: str | None = None, event_id: Any = None) -> dict:
+    assert code in WARNINGS
+    msg: dict[str, Any] = {"type": "warning", "code": code, "message": message}
+    if context_id is not None:
+        msg["context_id"] = context_id
+    if event_id is not None:
+        msg["event_id"] = event_id
+    return msg
+
+
+def http_error_body(code: str, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERRORS[code].http_type, "param": param, "code": code}}
+
+
+# ------------------------------------------------------------------------------------------------ JSON and fields
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(text: str | bytes) -> dict:
+    """A JSON object, or ProtocolError(invalid_json) (also for NaN/Infinity, absurd nesting, huge numbers)."""
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ProtocolError("invalid_json", "JSON nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError("invalid_json", f"not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("invalid_json", f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def type_name(v: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(v), "number" if isinstance(v, int | float) else type(v).__name__)
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_utf8(text: str, param: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ProtocolError("invalid_field", f"'{param}' has a lone surrogate (not valid Unicode)", param) from None
+    return text
+
+
+def get_id(obj: dict, name: str, *, required: bool = True) -> str | None:
+    """A protocol id: a non-empty string of at most 128 code points."""
+    v = obj.get(name)
+    if v is None:
+        if required:
+            raise ProtocolError("invalid_field", f"'{name}' is required", name)
+        return None
+    if not isinstance(v, str) or not v:
+        raise ProtocolError("invalid_field", f"'{name}' must be a non-empty string, got {type_name(v)}", name)
+    if len(v) > MAX_ID_CHARS:
+        raise ProtocolError("invalid_field", f"'{name}' is longer than {MAX_ID_CHARS} characters", name)
+    return check_utf8(v, name)
+
+
+def get_flush_id(obj: dict) -> str | int | None:
+    """`flush_id`: a string id or an integer, echoed as given."""
+    v = obj.get("flush_id")
+    if v is None:
+        return None
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    return get_id(obj, "flush_id")
+
+
+def get_str(obj: dict, name: str, *, required: bool = False, choices: tuple[str, ...] | None = None,
+            max_chars: int | None = None, param: str | None = None) -> str | None:
+    param = param or name
+    v = obj.get(name)
+    if v is None:
+        if required:
+            raise ProtocolError("invalid_field", f"'{param}' is required", param)
+        return None
+    if not isinstance(v, str):
+        raise ProtocolError("invalid_field", f"'{param}' must be a string, got {type_name(v)}", param)
+    if choices is not None and v not in choices:
+        raise ProtocolError("invalid_field", f"'{param}' is {v!r}; one of {', '.join(choices)}", param)
+    if max_chars is not None and len(v) > max_chars:
+        raise ProtocolError("invalid_field", f"'{param}' is longer than {max_chars} characters", param)
+    return check_utf8(v, param)
+
+
+def get_number(obj: dict, name: str, *, required: bool = False, minimum: float | None = None,
+               param: str | None = None) -> float | None:
+    param = param or name
+    v = obj.get(name)
+    if v is None:
+        if required:
+            raise ProtocolError("invalid_field", f"'{param}' is required", param)
+        return None
+    if not is_number(v):
+        raise ProtocolError("invalid_field", f"'{param}' must be a finite number, got {type_name(v)}", param)
+    if minimum is not None and v < minimum:
+        raise ProtocolError("invalid_field", f"'{param}' must be >= {minimum}, got {v}", param)
+    return float(v)
+
+
+def get_int(obj: dict, name: str, *, minimum: int | None = None, maximum: int | None = None,
+            param: str | None = None) -> int | None:
+    param = param or name
+    v = obj.get(name)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer() and math.isfinite(v):
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ProtocolError("invalid_field", f"'{param}' must be an integer, got {type_name(v)}", param)
+    if minimum is not None and v < minimum:
+        raise ProtocolError("invalid_field", f"'{param}' must be >= {minimum}, got {v}", param)
+    if maximum is not None and v > maximum:
+        raise ProtocolError("invalid_field", f"'{param}' must be <= {maximum}, got {v}", param)
+    return v
+
+
+def get_bool(obj: dict, name: str, *, param: str | None = None) -> bool | None:
+    param = param or name
+    v = obj.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise ProtocolError("invalid_field", f"'{param}' must be true or false, got {type_name(v)}", param)
+    return v
+
+
+def get_object(obj: dict, name: str, *, param: str | None = None) -> dict | None:
+    param = param or name
+    v = obj.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ProtocolError("invalid_field", f"'{param}' must be an object, got {type_name(v)}", param)
+    return v
+
+
+# ------------------------------------------------------------------------------------------------ client messages
+
+CLIENT_TYPES = ("session.update", "context.create", "text", "flush", "context.close", "context.cancel", "cancel_all",
+                "playback", "ping", "session.close")
+PLAYBACK_STATES = ("buffering", "playing", "underrun", "finished")
+
+
+@dataclass(frozen=True)
+class Envelope:
+    type: str
+    event_id: str | None
+    body: dict
+
+
+def parse_envelope(obj: dict) -> Envelope:
+    """`type` and `event_id` of any client message (the rest is read by the handler of that type)."""
+    event_id = None
+    if obj.get("event_id") is not None:
+        event_id = get_id(obj, "event_id")
+    t = obj.get("type")
+    if t is None:
+        raise ProtocolError("invalid_field", "'type' is required", "type")
+    if not isinstance(t, str):
+        raise ProtocolError("invalid_field", f"'type' must be a string, got {type_name(t)}", "type")
+    if t not in CLIENT_TYPES:
+        raise ProtocolError("unknown_type", f"unknown message type {t[:64]!r}; one of {', '.join(CLIENT_TYPES)}",
+                            "type")
+    return Envelope(t, event_id, obj)
+
+
+def parse_played_map(v: Any) -> dict[str, float]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ProtocolError("invalid_field", f"'played' must be an object of context_id: ms, got {type_name(v)}",
+                            "played")
+    out = {}
+    for k, ms in v.items():
+        if not is_number(ms) or ms < 0:
+            raise ProtocolError("invalid_field", f"'played.{k[:64]}' must be a number >= 0", "played")
+        out[k] = float(ms)
+    return out

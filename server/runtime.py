@@ -1,0 +1,159 @@
+"""What one server process holds: configuration, the engine (once loaded), the tokenizer, the catalog of voices
+and languages, metrics, the audio thread pool, auth, the open WebSocket sessions and the draining state.
+
+The model loads on a background thread so /health answers at once; /ready turns 200 when the engine is warmed up
+and running (and not draining).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from engine.api import ModelInfo
+from engine.engine import Engine
+from engine.model.sampling_params import SamplingParams
+from engine.text.tokenizer import TextTokenizer
+from server.auth import KeyChecker, OriginPolicy
+from server.config import ServerConfig
+from server.metrics import ServerMetrics
+from server.options import Catalog, Defaults
+
+if TYPE_CHECKING:
+    from server.gateway import WsSession
+
+log = logging.getLogger("voicelane.server")
+PREFERRED_VOICE = "ryan"
+
+
+class Runtime:
+    def __init__(self, config: ServerConfig, engine: Engine | None = None, tokenizer: TextTokenizer | None = None):
+        config.validate()
+        self.config = config
+        self.limits = config.limits
+        self.metrics = ServerMetrics()
+        self.keys = KeyChecker(config.api_keys)
+        self.metrics_keys = KeyChecker(config.metrics_key)
+        self.origins = OriginPolicy(config.allowed_origins)
+        self.executor = ThreadPoolExecutor(max_workers=config.encode_threads, thread_name_prefix="voicelane-audio")
+        self.sessions: set[WsSession] = set()
+        self.http_streams = 0
+        self.draining = False
+        self.drain_deadline: float | None = None
+        self.load_error: str | None = None
+        self.loading = False
+        self.started_at = time.time()
+        self.engine: Engine | None = None
+        self.tokenizer: TextTokenizer | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.on_load_failure = None  # called (on the loader thread) when the model cannot be loaded
+        if engine is not None:
+            self._install(engine, tokenizer)
+
+    # ------------------------------------------------------------------ model
+    def _install(self, engine: Engine, tokenizer: TextTokenizer | None) -> None:
+        if tokenizer is None:
+            if engine.loaded.tokenizer_dir is None:
+                raise RuntimeError("the model has no tokenizer directory")
+            tokenizer = TextTokenizer.from_dir(engine.loaded.tokenizer_dir)
+        info = engine.info
+        voices = tuple(v.name.lower() for v in info.voices)
+        self.catalog = Catalog(voices, tuple(lang.lower() for lang in info.languages))
+        default_voice = self.config.default_voice
+        if default_voice is not None:
+            default_voice = self.catalog.voice(default_voice, "default_voice")
+        else:
+            default_voice = PREFERRED_VOICE if PREFERRED_VOICE in voices else voices[0]
+        self.defaults = Defaults(voice=default_voice)
+        self.tokenizer = tokenizer
+        self.engine = engine
+
+    def load_in_background(self, build) -> None:
+        """`build()` returns (engine, tokenizer) with the engine warmed up and started; runs on a thread."""
+        self.loading = True
+        self.loop = asyncio.get_running_loop()
+
+        def run():
+            try:
+                engine, tokenizer = build()
+                self.loop.call_soon_threadsafe(self._loaded, engine, tokenizer)
+            except BaseException as exc:  # noqa: BLE001 - reported through /ready and the log
+                log.exception("model loading failed")
+                self.load_error = f"{type(exc).__name__}: {exc}"
+                self.loading = False
+                if self.on_load_failure is not None:
+                    self.on_load_failure()
+
+        threading.Thread(target=run, name="voicelane-load", daemon=True).start()
+
+    def _loaded(self, engine: Engine, tokenizer: TextTokenizer) -> None:
+        try:
+            self._install(engine, tokenizer)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("model install failed")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+        self.loading = False
+        if self.engine is not None:
+            log.info("ready: model %s (%d voices, %s), serving on http://%s:%d", self.engine.info.name,
+                     len(self.catalog.voices), "random weights" if self.engine.info.random_weights else "checkpoint",
+                     self.config.host, self.config.port)
+
+    @property
+    def info(self) -> ModelInfo | None:
+        return self.engine.info if self.engine is not None else None
+
+    @property
+    def sampling_base(self) -> SamplingParams:
+        assert self.engine is not None
+        return self.engine.sampling_defaults
+
+    @property
+    def max_frames(self) -> int:
+        return self.config.engine.max_frames
+
+    def engine_running(self) -> bool:
+        if self.engine is None:
+            return False
+        try:
+            return bool(self.engine.readiness().get("engine_running", True))
+        except Exception:  # noqa: BLE001
+            return False
+
+    def readiness(self) -> dict:
+        r: dict = {"model_loaded": self.engine is not None, "loading": self.loading, "draining": self.draining}
+        if self.load_error:
+            r["load_error"] = self.load_error
+        if self.engine is not None:
+            r.update(self.engine.readiness())
+            r["model"] = self.engine.info.name
+        r["ready"] = bool(self.engine is not None and r.get("warmed_up") and r.get("engine_running")
+                          and not self.draining)
+        return r
+
+    @staticmethod
+    def draw_seed() -> int:
+        return secrets.randbelow(2**31)
+
+    # ------------------------------------------------------------------ draining
+    def start_drain(self) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        self.drain_deadline = time.monotonic() + self.config.drain_timeout_s
+        log.info("draining: %d WebSocket session(s), %d HTTP stream(s) in flight; deadline %.0f s",
+                 len(self.sessions), self.http_streams, self.config.drain_timeout_s)
+        for s in list(self.sessions):
+            s.on_drain(self.config.drain_timeout_s)
+
+    def drained(self) -> bool:
+        return not self.sessions and self.http_streams == 0
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+        self.executor.shutdown(wait=False, cancel_futures=True)

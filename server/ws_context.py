@@ -1,0 +1,276 @@
+"""One context of a WebSocket session: its text pipeline, its engine context, and the pump task that turns engine
+events into audio packets, `flushed`, and the context's single end message.
+
+Per context the order is `context.created` < audio < `flushed`* < one of `context.done` / `context.cancelled`
+(PROTOCOL.md 1.2): everything goes through the session's one FIFO, the pump handles engine events in order,
+and a cancelled context's unsent audio is purged before `context.cancelled` is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from engine.api import AudioChunk, ContextDone, SegmentDone
+from engine.engine import Context as EngineContext
+from server.audio.frames import pack_frame
+from server.audio.stream import StreamPacket, WsAudioStream
+from server.logs import context_logger, current_trace
+from server.options import ContextOptions
+from server.outqueue import OutItem
+from server.protocol import ws_error
+from server.textpipe import TextPipeline
+
+if TYPE_CHECKING:
+    from server.gateway import WsSession
+
+MODEL_RATE = 24000
+
+
+def dumps(msg: dict) -> str:
+    return json.dumps(msg, ensure_ascii=False, separators=(",", ":"))
+
+
+class WsContext:
+    def __init__(self, session: WsSession, context_id: str, options: ContextOptions, engine_ctx: EngineContext,
+                 stream_id: int, trace_id: str, pipeline: TextPipeline, audio: WsAudioStream):
+        self.session, self.id, self.opts, self.ectx = session, context_id, options, engine_ctx
+        self.stream_id, self.trace_id, self.pipeline, self.audio = stream_id, trace_id, pipeline, audio
+        self.log = context_logger(trace_id)
+        self.created_at = time.monotonic()
+        self.json_audio = options.audio_transport == "json"
+        self.input_closed = False
+        self.close_event_id: Any = None  # event_id of the context.close (echoed on context.done)
+        self.ended = False  # done, cancelled or timed out: no more messages for it after its end message
+        self.cancelled = False
+        self.timeout_requested = False
+        self.fault: str | None = None  # test hook "internal": the pump raises
+        self.text_chars = 0
+        self.first_text_at: float | None = None
+        self.first_audio_sent_at: float | None = None
+        self.last_activity = time.monotonic()
+        # audio accounting
+        self.seq = 0
+        self.next_start = 0  # stream clock: where the next packet starts
+        self.last_sent = False  # a packet with the `last` flag went out
+        self.generated_samples = 0  # engine audio received (model rate, untrimmed)
+        self.frames = 0
+        self.codes = hashlib.sha256()
+        self.sent_end_ms = 0.0  # listener timeline end of the audio written to the socket
+        self.played_ms: float | None = None  # the client's last playback report
+        self.playback_state: str | None = None
+        # flushes
+        self.flush_count = 0
+        self.last_segment = -1  # index of the last segment ended by a flush or the close
+        self.final_segment: int | None = None
+        self.segments_done = 0  # segments whose audio (and encoder flush) is all queued
+        self.segment_end_ms: dict[int, float] = {}
+        self.flushes: deque[tuple[int, Any, Any]] = deque()  # (segment waited for, flush_id, event_id)
+        self.task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ text side (receive task)
+    def add_text(self, text: str) -> None:
+        if text and self.first_text_at is None:
+            self.first_text_at = time.monotonic()
+        self.text_chars += len(text)
+        self.last_activity = time.monotonic()
+        ids = self.pipeline.feed(text)
+        if ids:
+            self.ectx.append_text(ids)
+
+    def flush(self, flush_id: Any, event_id: Any) -> None:
+        ids, words = self.pipeline.finish()
+        if ids:
+            self.ectx.append_text(ids)
+        seg = self.ectx.flush(words)
+        self.flush_count += 1
+        if seg is not None:
+            self.last_segment = seg
+        self.flushes.append((self.last_segment, flush_id if flush_id is not None else self.flush_count, event_id))
+        self.last_activity = time.monotonic()
+        self.release_flushes()
+
+    def close_input(self) -> None:
+        ids, words = self.pipeline.finish()
+        if ids:
+            self.ectx.append_text(ids)
+        seg = self.ectx.close(words)
+        self.input_closed = True
+        if seg is not None:
+            self.last_segment = seg
+        self.final_segment = self.last_segment if self.last_segment >= self.segments_done else None
+
+    def release_flushes(self) -> None:
+        while self.flushes and self.flushes[0][0] < self.segments_done:
+            seg, fid, eid = self.flushes.popleft()
+            msg: dict[str, Any] = {"type": "flushed", "context_id": self.id, "flush_id": fid,
+                                   "audio_end_ms": round(self.segment_end_ms.get(seg, 0.0), 3)}
+            if eid is not None:
+                msg["event_id"] = eid
+            self.session.out.put(OutItem(dumps(msg), owner=self, purgeable=True))
+
+    def report_playback(self, played_ms: float, state: str) -> None:
+        """The client's listener timeline -> the engine's context timeline (which counts trimmed silence and not
+        Opus flush padding): shift by their current difference."""
+        if state == "underrun" and self.playback_state != "underrun":
+            self.session.runtime.metrics.underruns.inc()
+        self.playback_state = state
+        self.played_ms = played_ms
+        self.ectx.report_playback(max(0.0, played_ms + self.audio.engine_offset_ms), state)
+
+    # ------------------------------------------------------------------ pump (engine events -> socket)
+    async def pump(self) -> None:
+        current_trace.set(self.trace_id)
+        loop = asyncio.get_running_loop()
+        pool = self.session.runtime.executor
+        try:
+            async for ev in self.ectx.events():
+                if self.cancelled:
+                    return
+                if self.fault == "internal":
+                    raise RuntimeError("injected server fault (test hook)")
+                if isinstance(ev, AudioChunk):
+                    self.generated_samples += len(ev.pcm)
+                    self.frames += int(ev.codes.shape[0])
+                    self.codes.update(ev.codes.astype("<i8", copy=False).tobytes())
+                    self.last_activity = time.monotonic()
+                    packets = await loop.run_in_executor(pool, self.audio.process, ev.pcm)
+                    if self.cancelled:
+                        return
+                    self._send_packets(packets)
+                elif isinstance(ev, SegmentDone):
+                    packets = await loop.run_in_executor(pool, self.audio.end_segment)
+                    if self.cancelled:
+                        return
+                    final = self.input_closed and self.final_segment == ev.segment
+                    if final:
+                        packets += await loop.run_in_executor(pool, self.audio.close)
+                        if self.cancelled:
+                            return
+                    self._send_packets(packets, last=final)
+                    self.segment_end_ms[ev.segment] = self.audio.audio_end_ms
+                    self.segments_done = ev.segment + 1
+                    self.last_activity = time.monotonic()
+                    self.release_flushes()
+                elif isinstance(ev, ContextDone):
+                    if ev.reason == "cancelled" and not self.timeout_requested:
+                        return  # cancelled by the session: it has answered already
+                    await self._finish(ev)
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a server fault ends this context only
+            self.log.exception("context %s failed in the server", self.id)
+            if not self.ended:
+                self.ectx.cancel()
+                self.session.send(ws_error("internal", f"server error while streaming this context: "
+                                           f"{type(exc).__name__}", context_id=self.id))
+                self._end_message("error")
+
+    def _send_packets(self, packets: list[StreamPacket], last: bool = False) -> None:
+        if not packets and last and self.seq > 0 and not self.last_sent:
+            packets = [StreamPacket(b"", self.next_start, 0, False)]
+        for i, p in enumerate(packets):
+            is_last = last and i == len(packets) - 1
+            first = self.seq == 0
+            if self.json_audio:
+                msg = {"type": "audio", "context_id": self.id, "seq": self.seq,
+                       "start_ms": round(p.start_sample * 1000.0 / self.audio.clock_rate, 3), "first": first,
+                       "last": is_last, "segment_start": p.segment_start,
+                       "data": base64.b64encode(p.payload).decode("ascii")}
+                data: bytes | str = dumps(msg)
+            else:
+                data = pack_frame(self.stream_id, self.seq, p.start_sample, p.payload, first=first, last=is_last,
+                                  segment_start=p.segment_start)
+            end_ms = max(0.0, (p.start_sample + p.samples - self.audio.pre_skip) * 1000.0 / self.audio.clock_rate)
+            audio_s = p.samples / self.audio.clock_rate
+            self.session.out.put(OutItem(data, owner=self, audio_s=audio_s, purgeable=True,
+                                         on_sent=lambda e=end_ms, s=audio_s: self._on_audio_sent(e, s)))
+            self.seq += 1
+            self.next_start = p.start_sample + p.samples
+            if is_last:
+                self.last_sent = True
+        self.session.check_unsent()
+
+    def _on_audio_sent(self, end_ms: float, audio_s: float) -> None:
+        self.sent_end_ms = max(self.sent_end_ms, end_ms)
+        metrics = self.session.runtime.metrics
+        metrics.audio_seconds.inc("ws", amount=audio_s)
+        if self.first_audio_sent_at is None and audio_s > 0:
+            self.first_audio_sent_at = time.monotonic()
+            start = self.first_text_at or self.created_at
+            metrics.ttfa.observe("ws", value=self.first_audio_sent_at - start)
+
+    async def _finish(self, ev: ContextDone) -> None:
+        """The engine ended the context (completed, max_frames, error) or the session timed it out."""
+        reason = "timeout" if self.timeout_requested else ev.reason
+        if reason == "error":
+            code = ev.error_code or "synthesis_failed"
+            self.session.send(ws_error(code if code in ("synthesis_failed", "internal") else "synthesis_failed",
+                                       f"synthesis failed: {ev.error_message or 'model error'}", context_id=self.id))
+        if not self.last_sent:
+            packets = await asyncio.get_running_loop().run_in_executor(self.session.runtime.executor,
+                                                                       self.audio.close)
+            if self.cancelled:
+                return
+            self._send_packets(packets, last=True)
+        self._end_message(reason)
+
+    def _end_message(self, reason: str) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.flushes.clear()
+
+        def render() -> str:
+            ttfa = None
+            if self.first_audio_sent_at is not None:
+                ttfa = round((self.first_audio_sent_at - (self.first_text_at or self.created_at)) * 1000.0, 3)
+            msg = {"type": "context.done", "context_id": self.id, "reason": reason,
+                   "audio_ms": round(self.audio.audio_end_ms, 3), "ttfa_ms": ttfa,
+                   # extensions (not in PROTOCOL.md; clients ignore unknown fields)
+                   "frames": self.frames, "trimmed_ms": round(self.audio.trimmed_samples * 1000.0 / MODEL_RATE, 3),
+                   "codes_sha256": self.codes.hexdigest()}
+            if self.close_event_id is not None:
+                msg["event_id"] = self.close_event_id
+            return dumps(msg)
+
+        self.session.out.put(OutItem(render=render, owner=self))
+        self.session.context_ended(self, reason)
+
+    def cancel(self, played_ms: float | None, event_id: Any) -> None:
+        """Barge-in: stop now, drop queued text and unsent audio, answer context.cancelled."""
+        self.cancelled = True
+        self.ended = True
+        self.ectx.cancel()
+        self.pipeline.reset()
+        if self.task is not None and self.task is not asyncio.current_task():
+            self.task.cancel()
+        self.session.out.purge(self)
+        self.flushes.clear()
+        if played_ms is None:
+            played_ms = self.played_ms
+        if played_ms is None:  # no report: assume 1x playback since the first packet went out
+            played_ms = 0.0
+            if self.first_audio_sent_at is not None:
+                played_ms = min(self.sent_end_ms, (time.monotonic() - self.first_audio_sent_at) * 1000.0)
+        msg = {"type": "context.cancelled", "context_id": self.id,
+               "generated_ms": round(self.generated_samples * 1000.0 / MODEL_RATE, 3),
+               "sent_ms": round(self.sent_end_ms, 3), "played_ms": round(played_ms, 3)}
+        if event_id is not None:
+            msg["event_id"] = event_id
+        self.session.out.put(OutItem(dumps(msg), owner=self))
+        self.session.context_ended(self, "cancelled")
+
+    def abandon(self) -> None:
+        """The session is going away: stop the engine work, send nothing."""
+        self.cancelled = True
+        self.ended = True
+        self.ectx.cancel()
+        if self.task is not None and self.task is not asyncio.current_task():
+            self.task.cancel()
