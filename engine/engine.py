@@ -49,6 +49,7 @@ class Context:
         self._loop = loop
         self.closed = False  # no more text
         self.ended = False  # ContextDone was delivered
+        self.backlog_samples = 0  # audio delivered to the queue but not yet read by events(): a slow reader's debt
 
     @property
     def seed(self) -> int:
@@ -94,12 +95,16 @@ class Context:
     async def events(self) -> AsyncIterator[EngineEvent]:
         while True:
             event = await self._queue.get()
+            if isinstance(event, AudioChunk):
+                self.backlog_samples -= len(event.pcm)
             yield event
             if isinstance(event, ContextDone):
                 return
 
     def _push(self, events: list[EngineEvent]) -> None:
         for e in events:
+            if isinstance(e, AudioChunk):
+                self.backlog_samples += len(e.pcm)
             self._queue.put_nowait(e)
 
 

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allowed-origins", action="append", default=[],
                    help="browser origins allowed besides the server's own, comma-separated; * allows any")
     g.add_argument("--max-sessions", type=int, default=0, help="concurrent WebSocket sessions (0 = unlimited)")
+    g.add_argument("--rate-limit-rps", type=float, default=0.0,
+                   help="HTTP speech requests per second per API key or client address (0 = off); over it: 429")
+    g.add_argument("--rate-limit-burst", type=int, default=10, help="requests a client may send at once")
     g = s.add_argument_group("per-socket limits")
     g.add_argument("--max-contexts", type=int, default=lim.max_contexts)
     g.add_argument("--max-text-chars-per-message", type=int, default=lim.max_text_chars_per_message)
@@ -122,7 +125,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
                        metrics_key=Secret([a.metrics_key] if a.metrics_key else []),
                        allowed_origins=_csv(a.allowed_origins), max_sessions=a.max_sessions,
                        default_voice=a.default_voice, random_seed=a.seed, cpu_threads=a.cpu_threads,
-                       drain_timeout_s=a.drain_timeout_s,
+                       drain_timeout_s=a.drain_timeout_s, rate_limit_rps=a.rate_limit_rps,
+                       rate_limit_burst=a.rate_limit_burst,
                        opus_complexity=a.opus_complexity, encode_threads=a.encode_threads,
                        test_hooks=a.enable_test_hooks, log_level=a.log_level, warmup=not a.no_warmup)
     cfg.validate()

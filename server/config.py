@@ -63,6 +63,8 @@ class ServerConfig:
     cpu_threads: int = 0  # torch threads on the CPU; 0 = torch's default
     drain_timeout_s: float = 25.0
     http_max_body_bytes: int = 1 << 20
+    rate_limit_rps: float = 0.0  # speech requests per second per API key (or client address); 0 = off
+    rate_limit_burst: int = 10
     opus_complexity: int = 10
     encode_threads: int = 4
     test_hooks: bool = False  # fault injection through context.create (tests only)
@@ -76,6 +78,9 @@ class ServerConfig:
             raise ServerConfigError(f"port = {self.port}; use 1..65535 (--port)")
         if self.max_sessions < 0:
             raise ServerConfigError(f"max_sessions = {self.max_sessions}; use 0 (unlimited) or more")
+        if self.rate_limit_rps < 0 or self.rate_limit_burst < 1:
+            raise ServerConfigError(f"rate_limit_rps = {self.rate_limit_rps}, rate_limit_burst = "
+                                    f"{self.rate_limit_burst}; use rps >= 0 (0 = off) and burst >= 1")
         if self.drain_timeout_s < 0:
             raise ServerConfigError(f"drain_timeout_s = {self.drain_timeout_s}; it must be >= 0")
         if not 0 <= self.opus_complexity <= 10:

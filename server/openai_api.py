@@ -22,7 +22,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.api import AudioChunk, ContextDone, ContextSpec, EngineError, Overloaded, SegmentDone
+from engine.api import SAMPLE_RATE, AudioChunk, ContextDone, ContextSpec, EngineError, Overloaded, SegmentDone
 from engine.engine import Context as EngineContext
 from server.audio.stream import HttpAudioStream
 from server.audio.wav import wav_header
@@ -47,6 +47,7 @@ STREAM_FORMATS = ("audio", "sse")
 TOP_LEVEL_SAMPLING = (*SAMPLING_FIELDS, "subtalker")
 RETRY_AFTER_S = "1"
 ENGINE_CHECK_S = 2.0
+BACKLOG_CHECK_S = 0.2
 
 
 def error_response(code: str, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -153,6 +154,14 @@ async def speech(request: Request) -> Response:
     if rt.draining:
         rt.metrics.rejections.inc("http", "draining")
         return error_response("overloaded", "the server is draining; send the request to another server")
+    limiter = rt.rate_limiter
+    if limiter.enabled:
+        key = bearer_token(request.headers) if rt.keys.enabled else None
+        wait = limiter.acquire(limiter.client_id(key, request.client.host if request.client else None))
+        if wait > 0:
+            rt.metrics.rejections.inc("http", "rate_limited")
+            return error_response("rate_limited", f"over {limiter.rps:g} requests/s (burst {limiter.burst}); retry "
+                                  f"in {wait:.1f} s", headers={"Retry-After": limiter.retry_after(wait)})
     try:
         obj = parse_json_object(await read_body(request, rt.config.http_max_body_bytes))
         req = parse_speech(obj, rt)
@@ -230,12 +239,19 @@ class SpeechStream(Response):
         rt.http_streams += 1
         rt.metrics.active_contexts.inc("http")
         watcher = asyncio.create_task(_wait_disconnect(receive))
+        backlog = asyncio.create_task(self._watch_backlog())
         worker = asyncio.create_task(self._run(send))
         try:
-            done, _ = await asyncio.wait({watcher, worker}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({watcher, backlog, worker}, return_when=asyncio.FIRST_COMPLETED)
             if worker not in done:
-                self.log.info("client went away: cancelling")
-                self.reason = "client_gone"
+                if backlog in done:
+                    self.log.warning("slow reader: over %g s of audio waited to be sent; closing",
+                                     rt.limits.max_unsent_audio_s)
+                    self.reason = "slow_reader"
+                    rt.metrics.slow_readers.inc()
+                else:
+                    self.log.info("client went away: cancelling")
+                    self.reason = "client_gone"
                 worker.cancel()
                 try:
                     await worker
@@ -251,6 +267,7 @@ class SpeechStream(Response):
                         await error_response("internal", f"synthesis stopped: {exc}")(scope, _no_receive, send)
         finally:
             watcher.cancel()
+            backlog.cancel()
             if not self.ectx.ended:
                 self.ectx.cancel()
             rt.http_streams -= 1
@@ -258,6 +275,13 @@ class SpeechStream(Response):
             rt.metrics.contexts.inc("http", self.reason)
             self.log.info("speech request ended: %s, %d frames, %.0f ms of audio in %.0f ms", self.reason,
                           self.frames, self.audio.audio_ms, (time.monotonic() - self.t0) * 1000)
+
+    async def _watch_backlog(self) -> None:
+        """Returns when audio made for this request waits unsent longer than max_unsent_audio_s: the client
+        reads too slowly, and the server never buffers without bound."""
+        limit = self.rt.limits.max_unsent_audio_s * SAMPLE_RATE
+        while self.ectx.backlog_samples <= limit:
+            await asyncio.sleep(BACKLOG_CHECK_S)
 
     def _headers(self, content_type: str) -> list[tuple[bytes, bytes]]:
         h = {"content-type": content_type, "cache-control": "no-store", "x-seed": str(self.req.options.sampling.seed),

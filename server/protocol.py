@@ -38,6 +38,7 @@ ERRORS: dict[str, ErrorKind] = {
     "context_closed": ErrorKind(409, "invalid_request_error"),
     "duplicate_context": ErrorKind(409, "invalid_request_error"),
     "context_limit": ErrorKind(429, "rate_limit_error"),
+    "rate_limited": ErrorKind(429, "rate_limit_error", retryable=True),  # HTTP only (--rate-limit-rps)
     "text_too_long": ErrorKind(413, "invalid_request_error"),
     "unsupported_format": ErrorKind(400, "invalid_request_error"),
     "unknown_voice": ErrorKind(400, "invalid_request_error"),

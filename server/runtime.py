@@ -23,6 +23,7 @@ from server.auth import KeyChecker, OriginPolicy
 from server.config import ServerConfig
 from server.metrics import ServerMetrics
 from server.options import Catalog, Defaults
+from server.ratelimit import RateLimiter
 
 if TYPE_CHECKING:
     from server.gateway import WsSession
@@ -40,6 +41,7 @@ class Runtime:
         self.keys = KeyChecker(config.api_keys)
         self.metrics_keys = KeyChecker(config.metrics_key)
         self.origins = OriginPolicy(config.allowed_origins)
+        self.rate_limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst)
         self.executor = ThreadPoolExecutor(max_workers=config.encode_threads, thread_name_prefix="voicelane-audio")
         self.sessions: set[WsSession] = set()
         self.http_streams = 0
