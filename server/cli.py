@@ -75,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frames a segment may return (sizes the KV cache)")
     g.add_argument("--max-prompt-tokens", type=int, default=EngineConfig().max_prompt_tokens)
     g.add_argument("--max-slots", type=int, default=eng.max_slots, help="concurrent segment requests")
-    g.add_argument("--bench-frames-per-word", type=int, default=0,
-                   help="benchmark length mode for random weights: N frames per word (PROTOCOL.md 1.6); 0 = off")
+    g.add_argument("--bench-frames-per-word", type=int, default=None,
+                   help="benchmark length mode: N frames per word (PROTOCOL.md 1.6); 0 = off. Default: 5 for random "
+                        "weights (they never end an utterance by themselves), off for checkpoints")
     g.add_argument("--admission-load", type=float, default=eng.admission_load)
     g.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                    help="capture the per-step stages as CUDA graphs (auto: on for CUDA devices)")
@@ -100,6 +101,9 @@ def resolve_device(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+RANDOM_FRAMES_PER_WORD = 5  # about 2.5 words per second, like real speech
+
+
 def config_from_args(a: argparse.Namespace) -> ServerConfig:
     keys = list(a.api_key)
     for f in a.api_key_file:
@@ -112,7 +116,12 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
     from server.model_source import resolve_dtype
 
     dtype = str(resolve_dtype(a.dtype, device)).replace("torch.", "")
-    sched = replace(SchedulerConfig(), max_slots=a.max_slots, bench_frames_per_word=a.bench_frames_per_word,
+    bench = a.bench_frames_per_word
+    if bench is None:
+        from server.model_source import is_random
+
+        bench = RANDOM_FRAMES_PER_WORD if is_random(a.model) else 0
+    sched = replace(SchedulerConfig(), max_slots=a.max_slots, bench_frames_per_word=bench,
                     admission_load=a.admission_load, safety_lead_s=a.safety_lead_s)
     engine = EngineConfig(scheduler=sched, max_frames=a.max_frames, max_prompt_tokens=a.max_prompt_tokens,
                           cuda_graphs=a.cuda_graphs)

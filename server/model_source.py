@@ -34,6 +34,8 @@ RANDOM_NOTICE = """
 #   It exercises the whole pipeline (protocol, scheduling, streaming, codecs)  #
 #   with random weights of the published geometry. For real speech, pass a     #
 #   Qwen3-TTS 12Hz CustomVoice checkpoint: --model /path/to/checkpoint         #
+#   Random weights never end an utterance, so unless --bench-frames-per-word   #
+#   says otherwise each one lasts 5 frames (0.4 s) per word.                   #
 #                                                                              #
 ################################################################################
 """

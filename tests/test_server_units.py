@@ -238,5 +238,10 @@ def test_cli_resolves_flags_keys_and_hides_them(tmp_path, monkeypatch, capsys):
     for secret in ("flag-key", "file-key", "env-a", "env-b", '"m"'):
         assert secret not in err
     assert "4 configured" in err and "RANDOM WEIGHTS" in err and '"bench_frames_per_word": 5' in err
+    # Random weights never end an utterance: their default is the benchmark length mode; checkpoints: off.
+    def bench_of(*argv):
+        return config_from_args(build_parser().parse_args(["serve", "--device", "cpu", *argv])).engine.scheduler
+    assert bench_of().bench_frames_per_word == 5
+    assert bench_of("--bench-frames-per-word", "0").bench_frames_per_word == 0
     with pytest.raises(Exception, match="not a checkpoint directory"):
         config_from_args(build_parser().parse_args(["serve", "--model", str(tmp_path)]))
