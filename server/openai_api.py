@@ -283,6 +283,13 @@ class SpeechStream(Response):
         while self.ectx.backlog_samples <= limit:
             await asyncio.sleep(BACKLOG_CHECK_S)
 
+    def _sse_done(self) -> dict:
+        return {"type": "speech.audio.done",
+                "usage": {"input_tokens": self.n_tokens, "output_tokens": self.frames,
+                          "total_tokens": self.n_tokens + self.frames},
+                "reason": self.reason, "seed": self.req.options.sampling.seed, "frames": self.frames,
+                "audio_ms": round(self.audio.audio_ms, 3), "codes_sha256": self.codes.hexdigest()}
+
     def _headers(self, content_type: str) -> list[tuple[bytes, bytes]]:
         h = {"content-type": content_type, "cache-control": "no-store", "x-seed": str(self.req.options.sampling.seed),
              "x-trace-id": self.trace_id}
@@ -377,12 +384,7 @@ class SpeechStream(Response):
         self.rt.metrics.audio_seconds.inc("http", amount=self.audio.audio_ms / 1000.0)
         tail = b""
         if sse:
-            done = {"type": "speech.audio.done",
-                    "usage": {"input_tokens": self.n_tokens, "output_tokens": self.frames,
-                              "total_tokens": self.n_tokens + self.frames},
-                    "reason": self.reason, "seed": self.req.options.sampling.seed, "frames": self.frames,
-                    "audio_ms": round(self.audio.audio_ms, 3), "codes_sha256": self.codes.hexdigest()}
-            tail = f"data: {json.dumps(done)}\n\n".encode()
+            tail = f"data: {json.dumps(self._sse_done())}\n\n".encode()
         if not started:
             await send({"type": "http.response.start", "status": 200, "headers": self._headers(
                 "text/event-stream" if sse else self.audio.content_type)})
@@ -409,11 +411,8 @@ class SpeechStream(Response):
             (b"x-frames", str(self.frames).encode()), (b"x-audio-ms", f"{self.audio.audio_ms:.3f}".encode()),
             (b"x-finish-reason", self.reason.encode())]
         if self.req.stream_format == "sse":
-            done = {"type": "speech.audio.done", "reason": self.reason, "seed": self.req.options.sampling.seed,
-                    "frames": self.frames, "audio_ms": round(self.audio.audio_ms, 3),
-                    "codes_sha256": self.codes.hexdigest()}
             body = (f"data: {json.dumps({'type': 'speech.audio.delta', 'audio': base64.b64encode(body).decode()})}"
-                    f"\n\ndata: {json.dumps(done)}\n\n").encode()
+                    f"\n\ndata: {json.dumps(self._sse_done())}\n\n").encode()
             headers = [h for h in self._headers("text/event-stream")] + [(b"content-length", str(len(body)).encode())]
         self._note_audio(body)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
