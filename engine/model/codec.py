@@ -210,8 +210,8 @@ def randomize_codec_(decoder: nn.Module, seed: int, gain: float = 0.65) -> nn.Mo
     machine and device. Conv / transposed conv / linear weights ~ N(0, gain^2 / fan_in) (transposed conv fan_in =
     in_channels * kernel / stride), their biases ~ N(0, 0.01^2); SnakeBeta alpha, beta ~ N(0, 0.1^2); embedding_sum
     ~ N(0, 1); cluster_usage ~ U(0.5, 2); LayerScale and ConvNeXt gamma ~ U(0.25, 0.5); norm weights ~ U(0.5, 1.5);
-    LayerNorm biases 0. Draw order follows the official module order, so the same seed gives the same weights as
-    shared/tools/reference_oracle.py's randomize_codec_decoder on the official decoder."""
+    LayerNorm biases 0. Draw order follows the official module order, so the same seed gives the same weights
+    whether drawn into this decoder or into the official one (the parity tests rely on it)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def normal_(t: Tensor, std: float) -> None:
