@@ -1,4 +1,4 @@
-"""Open-loop load generator for voicelane (BENCHMARK.md 1 and 2).
+"""Open-loop load generator for voicelane (docs/benchmarks/README.md 1 and 2).
 
     python -m bench.loadgen --url http://127.0.0.1:8000 --workload w1 --rps 10 --warmup 30 --window 60 \\
         --seed 0 --out report.json [--server-cmd "voicelane serve ..."] [--baseline baseline.json]

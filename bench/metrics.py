@@ -1,4 +1,4 @@
-"""Client-side audio metrics, exactly as defined in BENCHMARK.md section 1 (numpy only).
+"""Client-side audio metrics, exactly as defined in docs/benchmarks/README.md section 1 (numpy only).
 
 All times are in seconds on one monotonic clock (the load generator uses time.perf_counter()); results that are
 durations are returned in milliseconds by `request_metrics`.
@@ -177,7 +177,7 @@ def percentiles(values, qs=(50, 95, 99)) -> dict:
 
 def request_metrics(dispatch: float, packets, samples=None, sr: int = SAMPLE_RATE, last_byte: float | None = None,
                     until: float | None = None) -> dict:
-    """The per-request metrics of BENCHMARK.md 1 from one stream's packets (and its decoded samples, for
+    """The per-request metrics of docs/benchmarks/README.md 1 from one stream's packets (and its decoded samples, for
     audibility). Durations in ms; missing values are None except audible TTFA (+inf when never audible)."""
     pb = simulate_playback(packets, sr, until)
     out = {"first_playable_ms": None, "audible_ttfa_ms": None, "audible_arrival_ms": None, "onset_ms": None,

@@ -2,7 +2,7 @@
 
 JSON has no infinity: non-finite floats are written as the strings "inf", "-inf" and "nan" and read back as floats
 by `load_report`. A latency percentile is "inf" when more of the offered requests than the percentile allows
-failed (they count as +inf: BENCHMARK.md 1).
+failed (they count as +inf: docs/benchmarks/README.md 1).
 """
 
 from __future__ import annotations

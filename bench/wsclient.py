@@ -1,4 +1,4 @@
-"""A minimal client of the voicelane WebSocket protocol (PROTOCOL.md 1), for the load generator only.
+"""A minimal client of the voicelane WebSocket protocol (docs/protocol.md 1), for the load generator only.
 
 It records what the metrics need and nothing else: the arrival time, `start_sample` and PCM of every binary audio
 frame of a context, and the arrival of its `context.created`, `context.done`, `context.cancelled` or error.

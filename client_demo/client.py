@@ -1,4 +1,4 @@
-"""The async Python client of the voicelane WebSocket protocol (PROTOCOL.md 1).
+"""The async Python client of the voicelane WebSocket protocol (docs/protocol.md 1).
 
     import asyncio
     from client_demo import VoicelaneClient
@@ -45,7 +45,7 @@ SUBPROTOCOL = "voicelane.v1"
 
 
 class VoicelaneError(Exception):
-    """An `error` message (or a refused connection). Fields as in PROTOCOL.md 1.2."""
+    """An `error` message (or a refused connection). Fields as in docs/protocol.md 1.2."""
 
     def __init__(self, msg: dict):
         super().__init__(f"{msg.get('code')}: {msg.get('message')}")
@@ -130,7 +130,7 @@ Event = AudioPacket | Flushed | ContextDone | ContextCancelled | ErrorEvent | Wa
 
 
 def parse_frame(data: bytes) -> tuple[int, int, int, int, bytes]:
-    """(flags, stream_id, seq, start_sample, payload) of a binary audio frame (PROTOCOL.md 1.3)."""
+    """(flags, stream_id, seq, start_sample, payload) of a binary audio frame (docs/protocol.md 1.3)."""
     if len(data) < HEADER.size:
         raise ValueError(f"binary frame of {len(data)} bytes is shorter than its 16-byte header")
     version, kind, flags, stream_id, seq, start = HEADER.unpack_from(data)

@@ -1,4 +1,4 @@
-"""The engine's public names: what the server may import (ARCHITECTURE.md, rules of the house 1).
+"""The engine's public names: what the server may import (docs/engine.md, rules of the house 1).
 
 Text crosses in as token ids; audio leaves as float32 PCM chunks at 24 kHz, in order, tagged with their sample
 offset on the context's timeline. A context is one stream of speech; each flush ends a segment, and every

@@ -50,6 +50,11 @@ class Context:
         self.closed = False  # no more text
         self.ended = False  # ContextDone was delivered
         self.backlog_samples = 0  # audio delivered to the queue but not yet read by events(): a slow reader's debt
+        self.segment_tokens = 0  # text tokens of the open segment
+        # prompt positions besides the text (engine/model/prompt.py): the wrapped instruction, the role (3), the
+        # codec tags with the speaker (at most 6), then tts_eos and the codec_bos position (2)
+        instruction = len(spec.instruction_ids) + 3 if spec.instruction_ids else 0
+        self.prompt_overhead = instruction + 3 + 6 + 2
 
     @property
     def seed(self) -> int:
@@ -63,13 +68,22 @@ class Context:
     def append_text(self, ids: list[int]) -> None:
         if self.closed:
             raise ContextClosed("text after context.close")
-        if ids:
-            self._op(self.engine.scheduler.append_text, list(ids))
+        if not ids:
+            return
+        if self.spec.text_layout == "whole":  # the whole segment goes into the prompt: refuse what cannot fit
+            limit = self.engine.config.max_prompt_tokens - self.prompt_overhead
+            if self.segment_tokens + len(ids) > limit:
+                raise InvalidRequest("text_too_long", f"a whole-text segment may hold {limit} tokens (this one would "
+                                     f"reach {self.segment_tokens + len(ids)}); flush earlier, use text_layout "
+                                     "'dual', or raise --max-prompt-tokens", "text")
+        self._op(self.engine.scheduler.append_text, list(ids))
+        self.segment_tokens += len(ids)
 
     def flush(self, words: int | None = None) -> int | None:
         """End the current segment. Returns its index, or None if there was no text since the last flush."""
         if self.closed:
             raise ContextClosed("flush after context.close")
+        self.segment_tokens = 0
         return self._op(self.engine.scheduler.end_segment, words)
 
     def close(self, words: int | None = None) -> int | None:

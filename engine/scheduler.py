@@ -1,6 +1,6 @@
 """The scheduling policy: every iteration, one stage and a batch of the requests waiting at it.
 
-Plain Python, no torch, clock passed in. The policy (ARCHITECTURE.md 3):
+Plain Python, no torch, clock passed in. The policy (docs/engine.md 3):
   1. Urgency: a request without audio yet is urgent from its arrival; a playing one only once the listener's
      buffer would run dry within the safety lead (client acks, else 1x from the first send).
   2. Anchor and fill: the most urgent runnable request picks the stage; the batch is filled with other requests

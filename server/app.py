@@ -162,7 +162,8 @@ def create_app(runtime: Runtime, loader: Callable[[], tuple] | None = None) -> S
     if cors:
         middleware.append(Middleware(CORSMiddleware, allow_origins=cors, allow_methods=["GET", "POST", "OPTIONS"],
                                      allow_headers=["authorization", "content-type"],
-                                     expose_headers=["x-seed", "x-trace-id", "x-sample-rate"]))
+                                     expose_headers=["x-seed", "x-trace-id", "x-sample-rate", "x-codes-sha256",
+                                                     "x-frames", "x-audio-ms", "x-finish-reason"]))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={404: not_found, 405: method_not_allowed, Exception: server_error})
     app.state.runtime = runtime

@@ -1,4 +1,4 @@
-"""API keys and browser origins (PROTOCOL.md 1 and 2).
+"""API keys and browser origins (docs/protocol.md 1 and 2).
 
 Keys come from `--api-key` (repeatable), `--api-key-file` (one per line, `#` comments) and the environment
 variable VOICELANE_API_KEYS (comma-separated). They are compared in constant time (HMAC-SHA256 digests compared

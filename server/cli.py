@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prompt-tokens", type=int, default=EngineConfig().max_prompt_tokens)
     g.add_argument("--max-slots", type=int, default=eng.max_slots, help="concurrent segment requests")
     g.add_argument("--bench-frames-per-word", type=int, default=None,
-                   help="benchmark length mode: N frames per word (PROTOCOL.md 1.6); 0 = off. Default: 5 for random "
-                        "weights (they never end an utterance by themselves), off for checkpoints")
+                   help="benchmark length mode: N frames per word (docs/protocol.md 1.6); 0 = off. Default: 5 for "
+                        "random weights (they never end an utterance by themselves), off for checkpoints")
     g.add_argument("--admission-load", type=float, default=eng.admission_load)
     g.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                    help="capture the per-step stages as CUDA graphs (auto: on for CUDA devices)")
@@ -241,7 +241,7 @@ def _server_class():
     import uvicorn
 
     class Draining(uvicorn.Server):
-        """uvicorn.Server whose first SIGTERM/SIGINT drains (PROTOCOL.md 1.5: session.draining, then 1001)."""
+        """uvicorn.Server whose first SIGTERM/SIGINT drains (docs/protocol.md 1.5: session.draining, then 1001)."""
 
         def __init__(self, config, runtime):
             super().__init__(config)

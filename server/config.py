@@ -13,7 +13,7 @@ class ServerConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-socket limits (PROTOCOL.md 1, `session.created.limits`)."""
+    """Per-socket limits (docs/protocol.md 1, `session.created.limits`)."""
 
     max_contexts: int = 8
     max_text_chars_per_message: int = 4096

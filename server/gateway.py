@@ -1,4 +1,4 @@
-"""`GET /v1/tts/ws`: one session per WebSocket (PROTOCOL.md 1).
+"""`GET /v1/tts/ws`: one session per WebSocket (docs/protocol.md 1).
 
 Per socket: one receive task (parses and handles client messages in order; engine calls are cheap and never
 block), one emit task (writes the outgoing FIFO to the socket), one ticker (idle timeouts, draining, a dead

@@ -1,4 +1,4 @@
-"""Logging with trace ids: every log line about a context carries its `trace_id` (PROTOCOL.md 1.2).
+"""Logging with trace ids: every log line about a context carries its `trace_id` (docs/protocol.md 1.2).
 
 A context's tasks set `current_trace` (a contextvar); `TraceFilter` copies it onto each record, so any log call
 made while serving that context - ours or a library's - is tagged. `context_logger(trace_id)` gives a

@@ -1,4 +1,4 @@
-"""The HTTP front door (PROTOCOL.md 2): `POST /v1/audio/speech` in the OpenAI shape, `GET /v1/audio/voices`,
+"""The HTTP front door (docs/protocol.md 2): `POST /v1/audio/speech` in the OpenAI shape, `GET /v1/audio/voices`,
 `GET /v1/models`.
 
 The request's whole text is one segment of one context, on the same text pipeline, sampling settings and audio
@@ -196,7 +196,12 @@ async def speech(request: Request) -> Response:
         if isinstance(exc, Overloaded):
             rt.metrics.rejections.inc("http", "overloaded")
         return error_response(code, str(exc), exc.param)
-    ectx.append_text(ids)
+    try:
+        ectx.append_text(ids)
+    except EngineError as exc:  # e.g. whole-layout text longer than the prompt may be
+        ectx.cancel()
+        rt.metrics.errors.inc("http", exc.code)
+        return error_response(exc.code if exc.code in ERRORS else "internal", str(exc), exc.param)
     ectx.close(words)
     clog = context_logger(trace_id)
     clog.info("speech request: %d characters, %d tokens, voice %s, %s%s, seed %d", len(req.text), len(ids),

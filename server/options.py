@@ -1,4 +1,4 @@
-"""What a context is opened with (PROTOCOL.md 1.1, 1.4, 1.6, 3): output formats, sampling settings, voices and
+"""What a context is opened with (docs/protocol.md 1.1, 1.4, 1.6, 3): output formats, sampling settings, voices and
 languages, session defaults, and their resolution into ContextOptions - shared by the WebSocket and HTTP doors, so
 the same fields mean the same thing on both.
 """

@@ -1,4 +1,4 @@
-"""The wire contract of PROTOCOL.md, validated at the edge: the one error table (codes -> HTTP status, WebSocket
+"""The wire contract of docs/protocol.md, validated at the edge: the one error table (codes -> HTTP status, WebSocket
 fatal / retryable / close code), the JSON field readers, and the client message envelope. Every bad input becomes a
 ProtocolError with its code. (What a context is opened with - formats, sampling, voices, defaults - is in
 server/options.py.)

@@ -1,4 +1,4 @@
-"""Text of one context on its way to token ids (PROTOCOL.md 1.7): LLM-text normalisation, then the incremental
+"""Text of one context on its way to token ids (docs/protocol.md 1.7): LLM-text normalisation, then the incremental
 tokenizer, segment by segment.
 
 `feed(text)` returns the ids that are final now; `finish()` (flush or close) returns the rest of the segment and
@@ -75,9 +75,10 @@ class TextPipeline:
         self.ids_in_segment += len(ids)
         return ids
 
-    def finish(self) -> tuple[list[int], int]:
-        """The rest of the segment (flush or close) and its word count; the next feed starts a new segment."""
-        ids = self._tokenize(self.normalizer.finish())
+    def finish(self, closing: bool = True) -> tuple[list[int], int]:
+        """The rest of the segment and its word count; the next feed starts a new segment. A flush (closing=False)
+        keeps an open code fence open, so the rest of the code block is still dropped when it arrives."""
+        ids = self._tokenize(self.normalizer.finish() if closing else self.normalizer.flush())
         ids += self.tokens.finish()
         words = self.words
         self.words = self.ids_in_segment = 0

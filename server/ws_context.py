@@ -2,7 +2,7 @@
 events into audio packets, `flushed`, and the context's single end message.
 
 Per context the order is `context.created` < audio < `flushed`* < one of `context.done` / `context.cancelled`
-(PROTOCOL.md 1.2): everything goes through the session's one FIFO, the pump handles engine events in order,
+(docs/protocol.md 1.2): everything goes through the session's one FIFO, the pump handles engine events in order,
 and a cancelled context's unsent audio is purged before `context.cancelled` is queued.
 """
 
@@ -84,7 +84,7 @@ class WsContext:
             self.ectx.append_text(ids)
 
     def flush(self, flush_id: Any, event_id: Any) -> None:
-        ids, words = self.pipeline.finish()
+        ids, words = self.pipeline.finish(closing=False)
         if ids:
             self.ectx.append_text(ids)
         seg = self.ectx.flush(words)
@@ -233,7 +233,7 @@ class WsContext:
                 ttfa = round((self.first_audio_sent_at - (self.first_text_at or self.created_at)) * 1000.0, 3)
             msg = {"type": "context.done", "context_id": self.id, "reason": reason,
                    "audio_ms": round(self.audio.audio_end_ms, 3), "ttfa_ms": ttfa,
-                   # extensions (not in PROTOCOL.md; clients ignore unknown fields)
+                   # extensions (not in docs/protocol.md; clients ignore unknown fields)
                    "frames": self.frames, "trimmed_ms": round(self.audio.trimmed_samples * 1000.0 / MODEL_RATE, 3),
                    "codes_sha256": self.codes.hexdigest()}
             if self.close_event_id is not None:

@@ -1,4 +1,4 @@
-"""What each client message does on a WebSocket session (PROTOCOL.md 1.1): validation, the context state rules
+"""What each client message does on a WebSocket session (docs/protocol.md 1.1): validation, the context state rules
 (unknown / open / closed / ended), limits, and opening engine contexts. Mixed into WsSession (server/gateway.py),
 which owns the socket, the outgoing FIFO and the tasks.
 """
@@ -90,7 +90,7 @@ class MessageHandlers:
         rt = self.runtime
         try:
             self.defaults = self.defaults.updated(body.get("defaults"), rt.catalog, rt.sampling_base)
-        except ProtocolError as exc:  # PROTOCOL.md 1.1: an invalid session.update is refused whole, invalid_field
+        except ProtocolError as exc:  # docs/protocol.md 1.1: an invalid session.update is refused whole, invalid_field
             raise ProtocolError("invalid_field", exc.message, exc.param or "defaults") from None
         self._reply({"type": "session.updated", "defaults": self.defaults.to_dict(rt.sampling_base)}, event_id)
 

@@ -30,7 +30,7 @@ def window_dbfs_all_offsets(x):
 
 
 def benchmark_onset(x, threshold_dbfs=-45.0):
-    """BENCHMARK.md 1: 20 ms windows stepped 10 ms from the first sample, DC removed, above -45 dBFS in two
+    """docs/benchmarks/README.md 1: 20 ms windows stepped 10 ms from the first sample, DC removed, above -45 dBFS in two
     consecutive windows; the onset is the first one's start. None when nothing is audible."""
     db = window_dbfs_all_offsets(x)[:: 10 * MS]
     above = db > threshold_dbfs

@@ -1,6 +1,6 @@
 """Codec decoder: parity with the official Qwen3TTSTokenizerV2Decoder and exactness of the streaming state.
 
-Tiny geometry (as shared/tools/reference_oracle.py's tiny_codec_decoder_config) with the real upsampling, so one
+Tiny geometry (the parity oracle's tiny decoder config) with the real upsampling, so one
 frame is 1920 samples; fp32 on the CPU. Streaming is compared with slices of one whole decode of 340 frames:
 the decoder is causal, so a prefix decodes to the prefix of the whole decode.
 """

@@ -103,7 +103,7 @@ def _utterance(page, i: int):
 
 
 def test_server_serves_the_page(server):
-    """`/` is client_demo/web/index.html, its modules beside it, without a key (PROTOCOL.md 2)."""
+    """`/` is client_demo/web/index.html, its modules beside it, without a key (docs/protocol.md 2)."""
     status, body = _get(server + "/")
     assert status == 200 and body == (WEB / "index.html").read_text(encoding="utf-8"), body[:300]
     for name in ("app.js", "audio.js", "protocol.js", "timeline.js", "worklet.js", "style.css"):

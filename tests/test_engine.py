@@ -325,3 +325,23 @@ def test_a_dead_engine_loop_ends_every_context(tiny_model):
     assert events[-1].reason == "error" and events[-1].error_code == "internal"
     assert "device lost" in events[-1].error_message
     assert getattr(refused, "code", None) == "internal" and engine.readiness()["engine_running"] is False
+
+
+def test_whole_layout_text_longer_than_the_prompt_is_refused(tiny_model):
+    engine = make_engine(tiny_model)  # max_prompt_tokens 96: 85 text tokens fit without an instruction
+    try:
+        async def main():
+            ctx = engine.open_context(ContextSpec(voice="ryan", language="english", text_layout="whole",
+                                                  sampling=GREEDY.with_overrides(max_frames=3)))
+            ctx.append_text(list(range(1000, 1080)))
+            with pytest.raises(Exception) as err:
+                ctx.append_text(list(range(1000, 1010)))  # 90 > 85: refused, nothing appended
+            ctx.append_text(list(range(1000, 1005)))  # 85 fits exactly
+            ctx.close()
+            return err.value, await _collect(ctx)
+
+        err, events = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert getattr(err, "code", None) == "text_too_long" and err.param == "text"
+    assert events[-1].reason == "max_frames" and codes_of(events).shape[0] == 3  # the prompt fit the KV cache

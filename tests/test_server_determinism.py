@@ -1,5 +1,5 @@
 """Same text, same seed: the same codes and PCM within 1 LSB (s16), whichever door and however the text arrives:
-WebSocket word by word or whole, alone or among 8 concurrent contexts, and HTTP (PROTOCOL.md 1.6)."""
+WebSocket word by word or whole, alone or among 8 concurrent contexts, and HTTP (docs/protocol.md 1.6)."""
 
 from __future__ import annotations
 

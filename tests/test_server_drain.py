@@ -1,4 +1,4 @@
-"""Draining on SIGTERM (PROTOCOL.md 1.2 / 1.5): `session.draining`, new contexts and requests refused, contexts in
+"""Draining on SIGTERM (docs/protocol.md 1.2 / 1.5): `session.draining`, new contexts and requests refused, contexts in
 flight finish, those still open at the deadline are cancelled, then close 1001 and a clean exit."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every error code of PROTOCOL.md 1.5 provoked on one socket, which survives them all; the WebSocket-layer
+"""Every error code of docs/protocol.md 1.5 provoked on one socket, which survives them all; the WebSocket-layer
 closes (1007 invalid UTF-8, 1009 message too big)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The HTTP front door (PROTOCOL.md 2) against a live server: formats, streaming and not, SSE, errors, the
+"""The HTTP front door (docs/protocol.md 2) against a live server: formats, streaming and not, SSE, errors, the
 discovery endpoints, /metrics, client disconnects, and the official `openai` SDK."""
 
 from __future__ import annotations

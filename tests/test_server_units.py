@@ -80,6 +80,18 @@ def test_a_word_is_committed_when_its_space_arrives(tok):
     assert p.feed("Next ") == tok.encode("Next")
 
 
+def test_a_flush_inside_a_code_fence_keeps_the_code_silent(tok):
+    p = TextPipeline(tok, "llm")
+    ids = p.feed("Run this:\n```\nx = 1\n")
+    rest, _ = p.finish(closing=False)  # flush mid-block: the fence stays open
+    ids += rest
+    ids += p.feed("y = 2\n```\nDone. ")
+    rest, _ = p.finish()
+    spoken = tok.decode(ids + rest)
+    assert "Run this" in spoken and "Done." in spoken
+    assert "x = 1" not in spoken and "y = 2" not in spoken
+
+
 def test_segments_count_words(tok):
     p = TextPipeline(tok, "llm")
     p.feed("one two  three\nfour")

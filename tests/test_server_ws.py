@@ -1,7 +1,7 @@
-"""WebSocket protocol (PROTOCOL.md 1) against a live server on the CPU with the tiny checkpoint.
+"""WebSocket protocol (docs/protocol.md 1) against a live server on the CPU with the tiny checkpoint.
 
 The server runs in benchmark length mode with 2 frames per word, so every segment's length is known exactly:
-frames = 2 x words (PROTOCOL.md 1.6)."""
+frames = 2 x words (docs/protocol.md 1.6)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from engine.text.tokenizer_files import (
     write_tokenizer_files,
 )
 
-# The published added tokens (shared/checkpoint-layout/README.md).
+# The published added tokens (docs/model.md, checkpoint layout).
 PUBLISHED_SPECIALS = {
     "<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|object_ref_start|>": 151646,
     "<|object_ref_end|>": 151647, "<|box_start|>": 151648, "<|box_end|>": 151649, "<|quad_start|>": 151650,

@@ -1,4 +1,4 @@
-// voicelane demo: the WebSocket protocol (PROTOCOL.md): JSON messages and binary audio frames.
+// voicelane demo: the WebSocket protocol (docs/protocol.md): JSON messages and binary audio frames.
 
 export const FLAG_FIRST = 1;
 export const FLAG_LAST = 2;

@@ -1,6 +1,6 @@
 """Qwen3-TTS 12 Hz codec decoder (codes -> 24 kHz wave) with an exact streaming state.
 
-Data flow for codes [B, Q=16, T] (MODEL.md 1.4):
+Data flow for codes [B, Q=16, T] (docs/model.md 1.4):
   RVQ lookup (codebook 0 and 1..15 in two groups, each ending in a 1x1 conv) -> [B, codebook_dim, T]
   -> causal pre_conv (k=3) -> [B, latent, T]
   -> sliding-window causal transformer (window W=72 frames incl. the query, RoPE by absolute frame position)

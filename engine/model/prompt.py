@@ -1,7 +1,7 @@
 """CustomVoice prompts: voices, languages, and the two-track prompt layout the Talker reads.
 
 Every prompt position is text_embedding(text id) projected, plus (for the codec part) one codec embedding, so a
-prompt is just two id lists; embeddings are made on the device by the runner. Layout (MODEL.md 3.2):
+prompt is just two id lists; embeddings are made on the device by the runner. Layout (docs/model.md 3.2):
 
   [instruction] <|im_start|>user\\n{instruction}<|im_end|>\\n     text only (1.7B only)
   [role]        <|im_start|> assistant \\n                          text only

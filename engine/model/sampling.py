@@ -3,7 +3,7 @@
 Randomness is counter-based: the uniform draw for (request seed, draw counter, vocabulary index) is a pure
 hash, so a request samples the same tokens whatever batch it runs in and whatever ran before it. Sampling is
 Gumbel-max over the filtered, temperature-scaled logits (equivalent to drawing from their softmax).
-Temperature 0 means greedy (argmax after the processors), as in PROTOCOL.md 1.6.
+Temperature 0 means greedy (argmax after the processors), as in docs/protocol.md 1.6.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ class TextTokenizer:
     def tts_eos_id(self) -> int:
         return self.token_id("<tts_text_eod>")
 
-    # ---------------------------------------------------------------- prompts (official formatting, MODEL.md 3.1)
+    # ---------------------------------------------------------------- prompts (official formatting, docs/model.md 3.1)
     def assistant_prompt_ids(self, text: str) -> list[int]:
         """Ids of `"<|im_start|>assistant\\n{text}<|im_end|>\\n<|im_start|>assistant\\n"` as the official package
         tokenizes it (added tokens split the string; each piece is BPE'd on its own), except that `text` can never

@@ -1,12 +1,12 @@
 """Everything between the model's float PCM (24 kHz mono float32) and the bytes that leave the server.
 
-- trim: LeadingSilenceTrimmer, per segment (PROTOCOL.md 1.7).
+- trim: LeadingSilenceTrimmer, per segment (docs/protocol.md 1.7).
 - pcm: s16le / f32le / mu-law conversions, streaming-exact Resampler, PcmEncoder.
 - opus: OpusStreamEncoder (opuslib; needs libopus0), OpusPacket, OpusUnavailableError.
 - ogg: OggOpusWriter (RFC 7845) and Ogg helpers.
 - mp3: Mp3StreamEncoder (lameenc).
 - wav: wav_header (streaming 0xFFFFFFFF sizes or exact), WavWriter, write_wav.
-- frames: the 16-byte binary audio frame header (PROTOCOL.md 1.3).
+- frames: the 16-byte binary audio frame header (docs/protocol.md 1.3).
 - formats: WsAudioEncoder and make_http_encoder, one object per output stream for the gateway.
 
 Every encoder is a plain synchronous object with per-stream state: the gateway runs its calls in a thread pool

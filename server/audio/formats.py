@@ -1,5 +1,5 @@
-"""One object per output stream for the gateway: WebSocket packets (PROTOCOL.md 1.3/1.4) and HTTP bodies
-(PROTOCOL.md 2). Input is always the model's float32 mono audio at 24 kHz, after leading-silence trimming.
+"""One object per output stream for the gateway: WebSocket packets (docs/protocol.md 1.3/1.4) and HTTP bodies
+(docs/protocol.md 2). Input is always the model's float32 mono audio at 24 kHz, after leading-silence trimming.
 
 All of these are plain synchronous objects, cheap per 80 ms chunk (well under a millisecond except Opus, about
 0.2 ms per 20 ms packet): run their calls in a thread pool executor, never on the event loop, and one call at a

@@ -1,4 +1,4 @@
-"""The 16-byte header of a binary WebSocket audio frame (PROTOCOL.md 1.3).
+"""The 16-byte header of a binary WebSocket audio frame (docs/protocol.md 1.3).
 
 Layout, big-endian::
 

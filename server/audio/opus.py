@@ -5,7 +5,7 @@ Input: mono float32 at 24 kHz (any Opus input rate works: 8, 12, 16, 24 or 48 kH
 
 Clocks. Opus always decodes at 48 kHz as far as timing goes. The encoder delays its input by its lookahead, so a
 decoder's output sample t (48 kHz) is input instant t - pre_skip; the client drops the first `pre_skip` decoded
-samples (PROTOCOL.md 1.4, RFC 7845). `OpusPacket.start_sample` is on the decoder clock: the first packet starts
+samples (docs/protocol.md 1.4, RFC 7845). `OpusPacket.start_sample` is on the decoder clock: the first packet starts
 at 0 and each packet starts where the previous one ended (the RTP / Ogg convention), so the listener-timeline
 position of a packet's first sample is `start_sample - pre_skip`.
 

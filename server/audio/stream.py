@@ -1,13 +1,13 @@
 """Per-context audio stages: leading-silence trimming per segment, then one encoder for the whole context.
 
 `WsAudioStream` (WebSocket packets) and `HttpAudioStream` (HTTP body bytes) follow the same segment life cycle
-(PROTOCOL.md 1.7): `process(pcm)` for every engine chunk, `end_segment()` when the engine says a segment is done
+(docs/protocol.md 1.7): `process(pcm)` for every engine chunk, `end_segment()` when the engine says a segment is done
 (trimmer.finish() -> encode -> encoder flush, then the trimmer is reset for the next segment), `close()` at the
 end of the context. All methods are synchronous and cheap: the gateway runs them in a thread pool executor, one
 call at a time per object, in order.
 
 The listener timeline (what `start_sample`, `flushed.audio_end_ms` and `context.done.audio_ms` count) is the
-encoder's: trimmed samples never reach it (PROTOCOL.md 1.7: `start_sample` counts from the first sample kept).
+encoder's: trimmed samples never reach it (docs/protocol.md 1.7: `start_sample` counts from the first sample kept).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Leading-silence trimming at the start of each segment (PROTOCOL.md 1.7).
+"""Leading-silence trimming at the start of each segment (docs/protocol.md 1.7).
 
-The benchmark (BENCHMARK.md 1) calls audio audible from the first of two consecutive 20 ms windows, stepped
+The benchmark (docs/benchmarks/README.md 1) calls audio audible from the first of two consecutive 20 ms windows, stepped
 every 10 ms, whose DC-removed RMS is above -45 dBFS (full scale = 1.0). Leading silence the server sends counts
 against audible TTFA, so it is dropped; but nothing audible may ever be dropped. The detector here is strictly
 more sensitive than the benchmark's:
@@ -24,7 +24,7 @@ from a segment. Once it has proved that no onset exists before `max_trim + prero
 `max_trim` samples and passes everything after them through (a long deliberate pause is kept, shortened by the
 cap). A segment that ends (`finish()`) without any onset is silence: it produces no audio at all when it was no
 longer than the cap (all of it is counted in `dropped`), else only its part after the first `max_trim` samples.
-The timeline stays right either way: `start_sample` counts the samples kept (PROTOCOL.md 1.7), and `dropped`
+The timeline stays right either way: `start_sample` counts the samples kept (docs/protocol.md 1.7), and `dropped`
 says how many of the segment's samples were removed.
 """
 

@@ -1,6 +1,6 @@
 """WAV (RIFF, 16-bit PCM) headers and a file writer.
 
-- `wav_header(sample_rate)` with no length is the streaming header of PROTOCOL.md 2: RIFF and data sizes are
+- `wav_header(sample_rate)` with no length is the streaming header of docs/protocol.md 2: RIFF and data sizes are
   0xFFFFFFFF (length unknown); PCM s16le follows.
 - `wav_header(sample_rate, num_samples=n)` is an exact header for n samples.
 - `WavWriter` writes a .wav file incrementally and fixes the sizes when closed (for the CLI).
