@@ -43,6 +43,7 @@ class EngineConfig:
     max_prompt_tokens: int = 1024  # prompt positions a segment may use (whole layout: the whole text)
     trace_capacity: int = 10000  # timeline events kept per engine for the Chrome trace export
     cuda_graphs: str = "auto"  # auto (on for CUDA devices), on, off, emulate (bucketed padding without capture)
+    debug_sync: bool = False  # wait for the device after every step (slow): pins a device fault on its stage
 
     def validate(self) -> None:
         self.scheduler.validate()

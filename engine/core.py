@@ -50,10 +50,12 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self.crashed: BaseException | None = None
         self.on_crash: Callable[[BaseException], None] | None = None
+        self.last_plan = None
 
     def step(self) -> bool:
         with self.lock:
             plan = self.scheduler.plan(self.clock())
+        self.last_plan = plan
         launched = self.runner.launch(plan) if plan is not None else None
         self._finish(self.in_flight)
         self.in_flight = launched
@@ -90,7 +92,10 @@ class EngineCore:
                     self.wake.clear()
         except BaseException as exc:  # noqa: BLE001 - reported through /ready and the log
             self.crashed = exc
-            log.exception("engine loop crashed: every open context ends with an internal error")
+            plan = self.last_plan
+            log.exception("engine loop crashed: every open context ends with an internal error (last step: %s %s)",
+                          plan.stage.value if plan else None,
+                          [(r.cid, r.slot, r.frame, r.chunk) for r in plan.rows] if plan else [])
             if self.on_crash is not None:
                 self.on_crash(exc)
 

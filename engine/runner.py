@@ -86,6 +86,7 @@ class Runner:
         self.kv_bytes = self.kv.bytes
         self.graphs = StageGraphs(self, cfg) if cfg.graph_mode(self.device.type) != "off" else None
         self.graph_failure: str | None = None
+        self.debug_sync = cfg.debug_sync
 
     # ------------------------------------------------------------------ launch / collect
     @torch.inference_mode()
@@ -102,6 +103,14 @@ class Runner:
                     pending.parts.append(([i], run([plan.rows[i]])))
                 except Exception as exc:  # noqa: BLE001 - the reason is reported to that request only
                     pending.failed[i] = f"{type(exc).__name__}: {exc}"
+        if self.debug_sync and self.device.type == "cuda":
+            # Diagnostics (--debug-sync): wait for this step, so a device fault is pinned on this stage and batch.
+            try:
+                torch.cuda.synchronize()
+            except Exception:
+                log.error("device fault in stage %s, rows %s", plan.stage.value,
+                          [(r.cid, r.slot, r.frame, r.chunk) for r in plan.rows])
+                raise
         for _, outputs in pending.parts:
             for key, value in outputs.items():
                 outputs[key] = value.to("cpu", non_blocking=True) if value.device.type == "cuda" else value

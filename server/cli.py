@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--admission-load", type=float, default=eng.admission_load)
     g.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                    help="capture the per-step stages as CUDA graphs (auto: on for CUDA devices)")
+    g.add_argument("--debug-sync", action="store_true",
+                   help="diagnostics: wait for the GPU after every engine step so a device fault names its stage")
     g.add_argument("--safety-lead-s", type=float, default=eng.safety_lead_s)
     g = s.add_argument_group("operations")
     g.add_argument("--drain-timeout-s", type=float, default=25.0,
@@ -124,7 +126,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
     sched = replace(SchedulerConfig(), max_slots=a.max_slots, bench_frames_per_word=bench,
                     admission_load=a.admission_load, safety_lead_s=a.safety_lead_s)
     engine = EngineConfig(scheduler=sched, max_frames=a.max_frames, max_prompt_tokens=a.max_prompt_tokens,
-                          cuda_graphs=a.cuda_graphs)
+                          cuda_graphs=a.cuda_graphs, debug_sync=a.debug_sync)
     limits = Limits(max_contexts=a.max_contexts, max_text_chars_per_message=a.max_text_chars_per_message,
                     max_text_chars_per_context=a.max_text_chars_per_context, max_message_bytes=a.max_message_bytes,
                     idle_timeout_s=a.idle_timeout_s, context_idle_timeout_s=a.context_idle_timeout_s,
