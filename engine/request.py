@@ -52,7 +52,6 @@ class PlaybackClock:
 class ContextState:
     cid: int
     slot: int  # cache row shared by the context's segments, one at a time
-    spec_prompt_key: object  # what the prompt builder needs (voice, instruction ids, layout)
     sampling: SamplingParams
     clock: PlaybackClock = field(default_factory=PlaybackClock)
     segments_started: int = 0

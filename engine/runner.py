@@ -79,8 +79,10 @@ class Runner:
         def zeros(dtype):
             return torch.zeros(S, dtype=dtype, device=dev)
 
-        self.sampling = _SlotSampling(*(zeros(torch.float32) if i in (0, 2, 3, 5, 7) else zeros(torch.int64)
-                                        for i in range(8)))
+        f32, i64 = torch.float32, torch.int64
+        self.sampling = _SlotSampling(temperature=zeros(f32), top_k=zeros(i64), top_p=zeros(f32),
+                                      sub_temperature=zeros(f32), sub_top_k=zeros(i64), sub_top_p=zeros(f32),
+                                      seed=zeros(i64), penalty=zeros(f32))
         self.codec_state = self.codec.new_stream_state(S, dev, self.dtype)
         self.faults: dict[int, tuple[str, int]] = {}  # cid -> ("exception" | "nan", code-0 index), test hook
         self.kv_bytes = self.kv.bytes

@@ -75,7 +75,7 @@ class Scheduler:
     def open_context(self, setup: ContextSetup, sampling: SamplingParams, now: float) -> int:
         self._check_admission(now)
         cid = next(self._ids)
-        ctx = ContextState(cid=cid, slot=self.free_slots.pop(), spec_prompt_key=None, sampling=sampling)
+        ctx = ContextState(cid=cid, slot=self.free_slots.pop(), sampling=sampling)
         self.contexts[cid], self.setups[cid] = ctx, setup
         self.segments[cid] = deque()
         self._trace(cid, "admitted", now)
