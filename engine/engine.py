@@ -96,11 +96,14 @@ class Context:
         if not self.ended:
             self.engine._call(self.engine.scheduler.cancel, self.cid)
 
-    def report_playback(self, played_ms: float, state: str) -> None:
+    def report_playback(self, played_ms: float, state: str, buffered_ms: float | None = None) -> None:
+        """Where the listener is: played_ms on the context timeline, the player's state and, if the client knows
+        it, how much audio its buffer holds (more exact than delivered - played, which counts audio in flight)."""
         if state not in PLAYBACK_STATES:
             raise InvalidRequest("invalid_field", f"state {state!r}; one of {PLAYBACK_STATES}", "state")
         if not self.ended:
-            self.engine._call(self.engine.scheduler.playback, self.cid, float(played_ms), state)
+            buffered = None if buffered_ms is None else float(buffered_ms)
+            self.engine._call(self.engine.scheduler.playback, self.cid, float(played_ms), state, buffered)
 
     def inject_fault(self, kind: str, at_frame: int = 0) -> None:
         """Test hook: make this context's model step fail ("exception") or produce NaN logits ("nan")."""

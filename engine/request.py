@@ -36,6 +36,8 @@ class PlaybackClock:
     ack_at: float | None = None  # time of the last client report
     ack_played_s: float = 0.0
     ack_state: str = "playing"  # buffering | playing | underrun | finished
+    ack_buffered_s: float | None = None  # the client's own buffer level at the last report, if it sent one
+    ack_delivered_s: float = 0.0  # delivered_s at the last report
 
     def buffer_empty_at(self) -> float | None:
         """When the listener runs out of audio (None: playback has not started, nothing delivered)."""
@@ -45,6 +47,8 @@ class PlaybackClock:
             return self.first_sent_at + self.delivered_s
         if self.ack_state in ("buffering", "underrun"):
             return self.ack_at  # the listener is waiting right now
+        if self.ack_buffered_s is not None:  # the player's own count, plus what was delivered since
+            return self.ack_at + self.ack_buffered_s + (self.delivered_s - self.ack_delivered_s)
         return self.ack_at + max(0.0, self.delivered_s - self.ack_played_s)
 
 

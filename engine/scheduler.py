@@ -147,11 +147,13 @@ class Scheduler:
         ctx.cancelled = True
         self._end_context(ctx, "cancelled", now)
 
-    def playback(self, cid: int, played_ms: float, state: str, now: float) -> None:
+    def playback(self, cid: int, played_ms: float, state: str, buffered_ms: float | None, now: float) -> None:
         ctx = self.contexts.get(cid)
         if ctx is not None:
             clock = ctx.clock
             clock.ack_at, clock.ack_played_s, clock.ack_state = now, played_ms / 1000.0, state
+            clock.ack_buffered_s = None if buffered_ms is None else buffered_ms / 1000.0
+            clock.ack_delivered_s = clock.delivered_s
 
     def fail(self, cid: int, message: str, now: float) -> None:
         ctx = self.contexts.get(cid)

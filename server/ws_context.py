@@ -114,14 +114,14 @@ class WsContext:
                 msg["event_id"] = eid
             self.session.out.put(OutItem(dumps(msg), owner=self, purgeable=True))
 
-    def report_playback(self, played_ms: float, state: str) -> None:
+    def report_playback(self, played_ms: float, state: str, buffered_ms: float | None = None) -> None:
         """The client's listener timeline -> the engine's context timeline (which counts trimmed silence and not
         Opus flush padding): shift by their current difference."""
         if state == "underrun" and self.playback_state != "underrun":
             self.session.runtime.metrics.underruns.inc()
         self.playback_state = state
         self.played_ms = played_ms
-        self.ectx.report_playback(max(0.0, played_ms + self.audio.engine_offset_ms), state)
+        self.ectx.report_playback(max(0.0, played_ms + self.audio.engine_offset_ms), state, buffered_ms)
 
     # ------------------------------------------------------------------ pump (engine events -> socket)
     async def pump(self) -> None:

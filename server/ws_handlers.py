@@ -246,7 +246,7 @@ class MessageHandlers:
     def on_playback(self, body: dict, event_id: Any) -> None:
         played = get_number(body, "played_ms", required=True, minimum=0)
         state = get_str(body, "state", required=True, choices=PLAYBACK_STATES)
-        get_number(body, "buffered_ms", minimum=0)
+        buffered = get_number(body, "buffered_ms", minimum=0)
         cid = get_id(body, "context_id")
         ctx = self.contexts.get(cid)
         if ctx is None:
@@ -254,4 +254,4 @@ class MessageHandlers:
                 return  # a late report for an ended context is accepted silently
             raise ProtocolError("unknown_context", f"no context {cid!r} on this socket", "context_id")
         self.runtime.metrics.playback_reports.inc(state)
-        ctx.report_playback(played, state)
+        ctx.report_playback(played, state, buffered)

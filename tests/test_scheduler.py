@@ -135,9 +135,9 @@ def test_stream_about_to_underrun_is_the_anchor():
         core.step()
     # Both play; the listener of `urgent` has almost nothing left, `calm` has plenty.
     now = clock()
-    sched.playback(calm, 0.0, "playing", now)
+    sched.playback(calm, 0.0, "playing", None, now)
     delivered = sched.contexts[urgent].clock.delivered_s
-    sched.playback(urgent, delivered * 1000 - 50, "playing", now)  # 50 ms left < 100 ms safety lead
+    sched.playback(urgent, delivered * 1000 - 50, "playing", None, now)  # 50 ms left < 100 ms safety lead
     r_calm, r_urgent = sched.segments[calm][0], sched.segments[urgent][0]
     assert sched.deadline(r_urgent, now) <= now < sched.deadline(r_calm, now)
     preferred = Stage.CODEC if sched.codec_chunk(r_urgent) else sched.generation_stage(r_urgent)
@@ -230,3 +230,25 @@ def test_timeline_exports_chrome_trace():
 
     trace = json.loads(sched.timeline.chrome_trace())
     assert any(e.get("ph") == "X" and e["name"] == "codec" for e in trace["traceEvents"])
+
+
+def test_client_buffer_level_and_state_drive_urgency():
+    sched, core, runner, clock, emitted = make(SchedulerConfig(max_slots=8, safety_lead_s=0.1))
+    cid = open_ctx(sched, clock, max_frames=200)
+    for _ in range(30):
+        core.step()
+    ctx, req = sched.contexts[cid], sched.segments[cid][0]
+    now = clock()
+    assert ctx.clock.delivered_s > 0.3
+    sched.playback(cid, 0.0, "playing", None, now)  # nothing played yet: all delivered audio is ahead
+    assert sched.deadline(req, now) > now
+    # The player says its buffer holds only 50 ms (the rest is still in flight): urgent now.
+    sched.playback(cid, 0.0, "playing", 50.0, now)
+    assert ctx.clock.buffer_empty_at() == pytest.approx(now + 0.05)
+    assert sched.deadline(req, now) <= now
+    # Audio delivered after the report extends the buffer.
+    ctx.clock.delivered_s += 1.0
+    assert ctx.clock.buffer_empty_at() == pytest.approx(now + 1.05)
+    # A player that reports an underrun is waiting right now, whatever was delivered.
+    sched.playback(cid, 0.0, "underrun", None, now)
+    assert sched.deadline(req, now) <= now
