@@ -152,9 +152,10 @@ def test_throughput_mode_when_nothing_is_urgent_runs_the_biggest_group():
         core.step()
     for cid in cids:  # everyone has a deep buffer: nothing is urgent
         sched.contexts[cid].clock.first_sent_at = clock() + 100
+    waiting = sched.stats()["queue_depth"]  # requests runnable at each stage, before planning
+    assert all(sched.deadline(r, clock()) > clock() for r in sched._heads())  # throughput mode
     plan = sched.plan(clock())
-    waiting = sched.stats()["queue_depth"]
-    assert len(plan.rows) >= max(waiting.values())
+    assert len(plan.rows) == max(waiting.values()) and waiting[plan.stage.value] == len(plan.rows)
 
 
 def test_cancel_mid_batch_frees_the_slot_and_emits_nothing_after():
