@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="benchmark length mode: N frames per word (docs/protocol.md 1.6); 0 = off. Default: 5 for "
                         "random weights (they never end an utterance by themselves), off for checkpoints")
     g.add_argument("--admission-load", type=float, default=eng.admission_load)
-    g.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+    g.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off", "emulate"],
                    help="capture the per-step stages as CUDA graphs (auto: on for CUDA devices)")
     g.add_argument("--debug-sync", action="store_true",
                    help="diagnostics: wait for the GPU after every engine step so a device fault names its stage")
