@@ -424,13 +424,20 @@ class SpeechStream(Response):
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def voices(request: Request) -> Response:
-    rt: Runtime = request.app.state.runtime
+def _refusal(request: Request, rt: Runtime) -> Response | None:
+    """Access check and model readiness for the catalogue endpoints."""
     denied = check_access(request, rt)
     if denied is not None:
         return denied
     if rt.engine is None:
         return error_response("overloaded", "the model is still loading")
+    return None
+
+
+async def voices(request: Request) -> Response:
+    rt: Runtime = request.app.state.runtime
+    if (refused := _refusal(request, rt)) is not None:
+        return refused
     info = rt.info
     return JSONResponse({"object": "list", "model": info.name, "default_voice": rt.defaults.voice,
                          "voices": [{"name": v.name, "id": v.name, "languages": list(v.languages)}
@@ -440,11 +447,8 @@ async def voices(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
-    denied = check_access(request, rt)
-    if denied is not None:
-        return denied
-    if rt.engine is None:
-        return error_response("overloaded", "the model is still loading")
+    if (refused := _refusal(request, rt)) is not None:
+        return refused
     info = rt.info
     return JSONResponse({"object": "list", "data": [{
         "id": info.name, "object": "model", "created": int(rt.started_at), "owned_by": "voicelane",
