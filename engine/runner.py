@@ -28,6 +28,10 @@ class InjectedFault(RuntimeError):
     """Raised by the test-only fault hook."""
 
 
+class BadStepInput(ValueError):
+    """--debug-sync: a row's device state is out of range for the step about to read it (named, row by row)."""
+
+
 @dataclass
 class _SlotSampling:
     """Sampling settings of every slot, on the device, indexed by slot."""
@@ -94,7 +98,13 @@ class Runner:
     @torch.inference_mode()
     def launch(self, plan: StagePlan) -> Pending:
         pending = Pending(plan, time.monotonic())
-        run = getattr(self, f"_{plan.stage.value}")
+        stage_fn = getattr(self, f"_{plan.stage.value}")
+
+        def run(rows: list[RowPlan]) -> dict[str, Tensor]:
+            if self.debug_sync:
+                self.check_inputs(plan.stage.value, rows)
+            return stage_fn(rows)
+
         rows = list(range(len(plan.rows)))
         try:
             pending.parts.append((rows, run(plan.rows)))
@@ -144,6 +154,44 @@ class Runner:
             result.pcm = merged["pcm"]
             result.codes = merged["codes"]
         return result
+
+    # ------------------------------------------------------------------ diagnostics
+    def check_inputs(self, stage: str, rows: list[RowPlan]) -> None:
+        """Read (host sync: diagnostics only) every index a step will use and raise BadStepInput naming each row
+        whose state is out of range; the launch then retries row by row, so only the bad rows fail."""
+        slots = [r.slot for r in rows]
+        if any(not 0 <= s < self.scratch for s in slots):
+            raise BadStepInput(f"{stage} step input out of range: slots {slots} outside [0, {self.scratch})")
+        index = torch.tensor(slots, device=self.device)
+        talker_vocab, codebook, n_frames = self.seen.shape[1], self.codec.config.codebook_size, self.frames.shape[1]
+        code0, rest = self.code0[index].tolist(), self.rest[index].tolist()
+        position = self.position[index].tolist()
+        codes = [self.frames[r.slot, max(r.frame, 0) : r.frame + r.chunk].tolist() for r in rows] \
+            if stage == "codec" else [[] for _ in rows]
+        bad = []
+        for i, r in enumerate(rows):
+            problems = []
+            if stage in ("code_predictor", "talker") and not 0 <= code0[i] < talker_vocab:
+                problems.append(f"code 0 = {code0[i]}")
+            if stage == "code_predictor" and not 0 <= r.frame < n_frames:
+                problems.append(f"frame {r.frame} outside [0, {n_frames})")
+            if stage == "talker":
+                if not all(0 <= c < codebook for c in rest[i]):
+                    problems.append(f"codes 1-15 = {rest[i]}")
+                if position[i] != self.host_position[r.slot] or position[i] >= self.kv.max_len:
+                    problems.append(f"position device {position[i]} / host {self.host_position[r.slot]}"
+                                    f" (cache {self.kv.max_len})")
+            if stage == "codec":
+                if r.frame < 0 or r.frame + r.chunk > n_frames:
+                    problems.append(f"frames [{r.frame}, {r.frame + r.chunk}) outside [0, {n_frames})")
+                elif not all(0 <= c < codebook for frame in codes[i] for c in frame):
+                    problems.append(f"codes out of the codebooks in frames [{r.frame}, {r.frame + r.chunk}): "
+                                    f"{codes[i]}")
+            if problems:
+                bad.append(f"context {r.cid} slot {r.slot} frame {r.frame}: " + "; ".join(problems))
+        if bad:
+            log.error("bad %s step input: %s", stage, " | ".join(bad))
+            raise BadStepInput(f"{stage} step input out of range: " + " | ".join(bad))
 
     # ------------------------------------------------------------------ stages
     def _slots(self, rows: list[RowPlan]) -> Tensor:

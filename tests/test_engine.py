@@ -345,3 +345,40 @@ def test_whole_layout_text_longer_than_the_prompt_is_refused(tiny_model):
         engine.stop()
     assert getattr(err, "code", None) == "text_too_long" and err.param == "text"
     assert events[-1].reason == "max_frames" and codes_of(events).shape[0] == 3  # the prompt fit the KV cache
+
+
+def test_debug_sync_refuses_out_of_range_state_row_by_row(tiny_model):
+    """--debug-sync reads every index a step will use: a slot whose codes were corrupted fails with a message naming
+    it, before any kernel could assert, and its batch siblings run on unharmed."""
+    engine = Engine(tiny_model, EngineConfig(scheduler=SchedulerConfig(max_slots=6, admission_load=1e6),
+                                             max_frames=64, max_prompt_tokens=96, debug_sync=True))
+    engine.start()
+    launch, corrupted = engine.runner.launch, []
+
+    def corrupting_launch(plan):
+        victim = [r for r in plan.rows if r.cid == bad_cid and plan.stage.value == "codec"]
+        if victim and not corrupted:
+            engine.runner.frames[victim[0].slot, :, 0] = 5000  # beyond the 2048-entry codebooks
+            corrupted.append(victim[0].slot)
+        return launch(plan)
+
+    engine.runner.launch = corrupting_launch
+    try:
+        async def main():
+            nonlocal bad_cid
+            good = engine.open_context(ContextSpec(voice="ryan", sampling=GREEDY))
+            bad = engine.open_context(ContextSpec(voice="ryan", sampling=GREEDY))
+            bad_cid = bad.cid
+            for ctx in (good, bad):
+                ctx.append_text(TEXT)
+                ctx.close()
+            return await _collect(good), await _collect(bad)
+
+        bad_cid = -1
+        good_events, bad_events = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert corrupted
+    assert bad_events[-1].reason == "error" and "codec step input out of range" in bad_events[-1].error_message
+    assert f"slot {corrupted[0]}" in bad_events[-1].error_message
+    assert good_events[-1].reason == "max_frames" and codes_of(good_events).shape[0] == 16

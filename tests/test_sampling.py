@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from engine.model.presets import GENERATION_CONFIG
-from engine.model.sampling import SamplerRows, choose, process_talker_logits, uniform_noise
+from engine.model.sampling import (
+    SamplerRows,
+    _hash_bits,
+    choose,
+    gumbel_noise,
+    process_talker_logits,
+    uniform_noise,
+)
 from engine.model.sampling_params import SamplingError, SamplingParams
 
 
@@ -81,3 +88,23 @@ def test_sampling_params_defaults_and_validation():
         p.with_overrides(min_frames=10, max_frames=5)
     with pytest.raises(SamplingError, match="unknown"):
         p.with_overrides(nucleus=0.3)
+
+
+def test_gumbel_noise_is_finite_even_for_the_extreme_draws():
+    """About one uniform draw in 3e7 is within float32 rounding of 1.0; its Gumbel value must stay finite, or a
+    masked (-inf) logit becomes NaN and argmax picks that masked token (this crashed the codec on the GPU)."""
+    vocab, rows_n = 3072, 12000  # 3.7e7 draws: one seed, many counters (Talker steps)
+    seed, counters = torch.full((rows_n,), 1), torch.arange(rows_n)
+    bits = _hash_bits(seed, counters, vocab)
+    flat = int(bits.argmax())
+    row, col = divmod(flat, vocab)
+    assert int(bits[row, col]) >= 2**32 - 128  # a draw that float32 rounds to 1.0 ...
+    u = uniform_noise(seed[row : row + 1], counters[row : row + 1], vocab)
+    assert float(u[0, col]) < 1.0 and float(u[0, col].float()) == 1.0  # ... so a float32 Gumbel would be +inf
+    g = gumbel_noise(seed, counters, vocab)
+    assert g.dtype == torch.float32 and bool(torch.isfinite(g).all())
+    # That column masked, as a suppressed code-0 id is: it must never be chosen.
+    logits = torch.randn(1, vocab)
+    logits[0, col] = float("-inf")
+    sampler = SamplerRows(torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.ones(1), seed[row : row + 1])
+    assert int(choose(logits, sampler, counters[row : row + 1])) != col

@@ -24,14 +24,28 @@ def _hash32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
-    """Uniform (0, 1) draws [B, vocab] that depend only on (seed[b], counter[b], column)."""
+def _hash_bits(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
+    """32 random bits [B, vocab] (int64) that depend only on (seed[b], counter[b], column)."""
     h = _hash32(seed & _MASK32)
     h = _hash32(h ^ ((seed >> 32) & _MASK32))
     h = _hash32(h ^ (counter & _MASK32))  # [B]
     cols = torch.arange(vocab, device=seed.device, dtype=torch.int64)
-    bits = _hash32((h[:, None] + cols[None, :] * 0x9E3779B1) & _MASK32)  # [B, vocab]
-    return (bits.double() + 0.5).div_(2.0**32).float()
+    return _hash32((h[:, None] + cols[None, :] * 0x9E3779B1) & _MASK32)
+
+
+def uniform_noise(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
+    """Uniform draws in the open interval (0, 1), float64 [B, vocab] (float32 would round the top ones to 1)."""
+    return (_hash_bits(seed, counter, vocab).double() + 0.5).div_(2.0**32)
+
+
+def gumbel_noise(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
+    """Standard Gumbel draws [B, vocab] float32, always finite (within about [-3.2, 22.2]).
+
+    Computed in float64: a float32 uniform rounds to exactly 1.0 for about one draw in 3e7, whose Gumbel value
+    is +inf; added to a masked (-inf) logit that gives NaN, and argmax then picks the masked token (a suppressed
+    code-0 id the codec cannot decode)."""
+    u = uniform_noise(seed, counter, vocab)
+    return (-torch.log(-torch.log(u))).float()
 
 
 @dataclass
@@ -62,7 +76,7 @@ def choose(logits: Tensor, rows: SamplerRows, counter: Tensor) -> Tensor:
     last_kept = cut.sum(dim=-1, keepdim=True).clamp(min=1) - 1
     threshold = sorted_desc.gather(1, last_kept)
     scores = scores.masked_fill(scores < threshold, float("-inf"))
-    gumbel = -torch.log(-torch.log(uniform_noise(rows.seed, counter, V)))
+    gumbel = gumbel_noise(rows.seed, counter, V)
     sampled = (scores + gumbel).argmax(dim=-1)
     return torch.where(rows.temperature > 0, sampled, greedy)
 
