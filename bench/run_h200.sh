@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The H200 report's load points, all against one server started here (docs/benchmarks/README.md says why each).
+#   bench/run_h200.sh OUT_DIR PHASE...      phases: w1 capacity w2 w3
+# (MODEL, SERVER_ARGS, WARMUP, WINDOW override the defaults, e.g. for a CPU smoke run with tiny-random.)
+# capacity is resumable: keep OUT_DIR/capacity_w1.json and run the phase again until it exits 0.
+set -u
+OUT=${1:?usage: bench/run_h200.sh OUT_DIR PHASE...}; shift
+URL=http://127.0.0.1:8000
+BASE=${BASE:-docs/benchmarks/h200/baseline_official.json}
+COMMON=(--url "$URL" --warmup "${WARMUP:-15}" --window "${WINDOW:-60}" --seed 0)
+mkdir -p "$OUT"
+python3 -m server serve --model "${MODEL:-random:1.7b}" ${SERVER_ARGS:-} --bench-frames-per-word 5 --port 8000 >"$OUT/server.log" 2>&1 &
+SERVER_PID=$!
+trap 'kill $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null' EXIT
+python3 - "$URL" <<'PY' || exit 1
+import sys, time, urllib.request
+for _ in range(300):
+    try:
+        if urllib.request.urlopen(sys.argv[1] + "/ready", timeout=2).status == 200:
+            sys.exit(0)
+    except OSError:
+        time.sleep(1)
+sys.exit("server not ready after 300 s")
+PY
+status=0
+for phase in "$@"; do
+  case $phase in
+    w1) python3 -m bench.loadgen "${COMMON[@]}" --workload w1 --rps 1 10 20 --baseline "$BASE" \
+          --out "$OUT/w1_rps1_10_20.json" || status=1 ;;
+    capacity) python3 -m bench.capacity "${COMMON[@]}" --workload w1 --start 1 --factor 2 --min-rps 0.25 \
+          --max-rps 40 --resolution 0.1 --min-step 0.25 --budget "${CAPACITY_BUDGET:-240}" \
+          --state "$OUT/capacity_w1.json"; rc=$?; [ $rc -eq 0 ] || { echo "capacity: exit $rc (75 = run again)"; status=$rc; } ;;
+    w2) python3 -m bench.loadgen "${COMMON[@]}" --workload w2 --rps 5 --baseline "$BASE" \
+          --out "$OUT/w2_rps5.json" || status=1 ;;
+    w3) python3 -m bench.loadgen "${COMMON[@]}" --workload w3 --rps 5 --out "$OUT/w3_rps5.json" || status=1 ;;
+    *) echo "unknown phase $phase"; status=2 ;;
+  esac
+done
+exit $status
