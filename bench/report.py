@@ -35,6 +35,11 @@ def repo_root() -> str:
 
 
 def git_info() -> dict:
+    """The commit measured. A copy of the tree whose git metadata is missing or stale (a container image, a
+    remote GPU machine) names its commit in VOICELANE_COMMIT, which then wins."""
+    named = os.environ.get("VOICELANE_COMMIT")
+    if named:
+        return {"commit": named, "dirty": None, "commit_from": "VOICELANE_COMMIT"}
     root = repo_root()
     commit = _run(["git", "rev-parse", "HEAD"], root)
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], root)

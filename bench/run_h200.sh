@@ -2,6 +2,7 @@
 # The H200 report's load points, all against one server started here (docs/benchmarks/README.md says why each).
 #   bench/run_h200.sh OUT_DIR PHASE...      phases: w1 capacity w2 w3
 # (MODEL, SERVER_ARGS, WARMUP, WINDOW override the defaults, e.g. for a CPU smoke run with tiny-random.)
+# On a copy of the tree whose git metadata is stale, set VOICELANE_COMMIT so the reports name the right commit.
 # capacity is resumable: keep OUT_DIR/capacity_w1.json and run the phase again until it exits 0.
 set -u
 OUT=${1:?usage: bench/run_h200.sh OUT_DIR PHASE...}; shift

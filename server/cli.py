@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off", "emulate"],
                    help="capture the per-step stages as CUDA graphs (auto: on for CUDA devices)")
     g.add_argument("--debug-sync", action="store_true",
-                   help="diagnostics: check every step's indices on the host and wait for the GPU after it, so a fault names its stage, rows and values (slow)")
+                   help="diagnostics (slow): check every step's indices on the host and wait for the GPU after it, "
+                        "so a fault names its stage, rows and values")
     g.add_argument("--safety-lead-s", type=float, default=eng.safety_lead_s)
     g = s.add_argument_group("operations")
     g.add_argument("--drain-timeout-s", type=float, default=25.0,

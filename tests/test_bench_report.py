@@ -72,3 +72,13 @@ def test_plot_and_table(tmp_path):
     md = markdown(reports, baseline)
     assert md.count("| W1 |") == 4 and md.count("| W2 |") == 1
     assert "inf" in md and "Capacity at SLO (W1): **10 RPS**" in md and "Official qwen-tts" in md
+
+
+def test_a_copy_without_git_history_names_its_commit(monkeypatch):
+    from bench.report import git_info
+
+    monkeypatch.delenv("VOICELANE_COMMIT", raising=False)
+    from_git = git_info()
+    assert from_git["commit"] and "commit_from" not in from_git
+    monkeypatch.setenv("VOICELANE_COMMIT", "8a80ad4")
+    assert git_info() == {"commit": "8a80ad4", "dirty": None, "commit_from": "VOICELANE_COMMIT"}
