@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import wave
@@ -42,3 +43,20 @@ def test_synthesize_reports_a_bad_voice(tiny_checkpoint, tmp_path):
            "--voice", "nobody", "--out", str(tmp_path / "x.wav")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "unknown voice" in proc.stderr
+
+
+def test_profile_stages_times_and_counts_every_stage(tmp_path):
+    from engine.tools.profile_stages import main
+
+    out = tmp_path / "stages.json"
+    main(["--model", "tiny-random", "--device", "cpu", "--batches", "1", "3", "--prompt-lens", "8", "40",
+          "--chunks", "1", "5", "--graphs", "off", "emulate", "--repeat", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    seen = {(r["stage"], r["batch"], r.get("prompt_len", r.get("chunk")), r["graphs"]) for r in rows}
+    for mode in ("off", "emulate"):
+        for b in (1, 3):
+            assert {("prefill", b, 8, mode), ("prefill", b, 40, mode), ("talker", b, None, mode),
+                    ("code_predictor", b, None, mode), ("codec", b, 1, mode), ("codec", b, 5, mode)} <= seen
+    assert all(r["ms"] > 0 and r["kernels"] > 0 for r in rows)
+    longer = {r["batch"]: r["kernels"] for r in rows if r["stage"] == "prefill" and r["prompt_len"] == 40}
+    assert all(k > 50 for k in longer.values())  # a real forward ran (a failed row raises instead)

@@ -1,0 +1,135 @@
+"""Time each engine stage alone (prefill, Talker step, Code Predictor loop, codec chunk) per batch size, with and
+without CUDA graphs, and count the device kernels (or, on a CPU, the operators) one call runs.
+
+    python -m engine.tools.profile_stages --model random:1.7b --device cuda --batches 1 8 32 \
+        --prompt-lens 16 64 --chunks 1 4 12 --out stages.json
+
+Each number is the median wall time of launch + collect (the runner's own entry points, so index uploads and
+result copies count) over --repeat calls after one warm-up call. This is where a step's milliseconds go; the
+scheduler and the server are not involved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from engine.config import EngineConfig, SchedulerConfig
+from engine.model.prompt import build_prompt, resolve_voice
+from engine.model.sampling_params import SamplingParams
+from engine.request import RowPlan, Stage, StagePlan
+from engine.runner import Runner
+from engine.tools.bench_engine import load
+
+
+def _kernels(fn, device: torch.device) -> int:
+    """Device kernels (CUDA) or operators (CPU) one call of fn runs."""
+    activity = torch.profiler.ProfilerActivity.CUDA if device.type == "cuda" else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        fn()
+    events = prof.events()
+    if device.type == "cuda":
+        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)
+
+
+def _time(fn, repeat: int) -> float:
+    fn()  # warm-up: lazy init, capture of a graph not captured yet
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e3
+
+
+class StageProfiler:
+    def __init__(self, loaded, graphs: str, max_slots: int, prompt_cap: int):
+        self.loaded = loaded
+        cfg = EngineConfig(scheduler=SchedulerConfig(max_slots=max_slots), max_frames=256,
+                           max_prompt_tokens=prompt_cap + 32, cuda_graphs=graphs)
+        self.runner = Runner(loaded, cfg)
+        if self.runner.graphs is not None:
+            self.runner.graphs.capture_all()
+        self.voice = resolve_voice(loaded.config, next(iter(loaded.config.talker.speaker_ids)), "auto")
+        self.sampling = SamplingParams(seed=1, max_frames=256)
+
+    def _run(self, stage: Stage, rows: list[RowPlan]) -> None:
+        result = self.runner.collect(self.runner.launch(StagePlan(stage, rows)))
+        if any(result.failed):
+            raise RuntimeError(f"{stage.value} step failed: {next(f for f in result.failed if f)}")
+
+    def prefill(self, batch: int, prompt_len: int) -> None:
+        text = list(range(1000, 1000 + prompt_len))
+        prompt = build_prompt(self.loaded.config, self.voice, text, "whole", None)
+        rows = [RowPlan(i, i, i, 0, prompt=prompt, sampling=self.sampling, eos_allowed=False) for i in range(batch)]
+        self._run(Stage.PREFILL, rows)
+
+    def talker(self, batch: int) -> None:
+        self._run(Stage.TALKER, [RowPlan(i, i, i, 1, text_id=1000, eos_allowed=False) for i in range(batch)])
+
+    def code_predictor(self, batch: int) -> None:
+        self._run(Stage.CODE_PREDICTOR, [RowPlan(i, i, i, 0) for i in range(batch)])
+
+    def codec(self, batch: int, chunk: int) -> None:
+        self._run(Stage.CODEC, [RowPlan(i, i, i, 0, chunk=chunk) for i in range(batch)])
+
+
+def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chunks: list[int],
+            repeat: int) -> list[dict]:
+    p = StageProfiler(loaded, graphs, max(batches), max(prompt_lens))
+    rows = []
+
+    def measure(stage: str, batch: int, fn, **extra) -> None:
+        ms = _time(fn, repeat)
+        rows.append({"stage": stage, "batch": batch, **extra, "graphs": graphs, "ms": round(ms, 3),
+                     "kernels": _kernels(fn, loaded.device)})
+
+    for b in batches:
+        for n in prompt_lens:
+            measure("prefill", b, lambda b=b, n=n: p.prefill(b, n), prompt_len=n)
+        p.prefill(b, prompt_lens[0])  # fresh slots for the decode stages
+        measure("talker", b, lambda b=b: p.talker(b))
+        measure("code_predictor", b, lambda b=b: p.code_predictor(b))
+        for c in chunks:
+            measure("codec", b, lambda b=b, c=c: p.codec(b, c), chunk=c)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-random")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[16])
+    ap.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 12])
+    ap.add_argument("--graphs", nargs="+", default=None, help="on, off, emulate (default: on and off on CUDA)")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    device = torch.device(a.device)
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    loaded = load(a.model, a.device, dtype)
+    modes = a.graphs or (["on", "off"] if device.type == "cuda" else ["off"])
+    rows = []
+    with torch.inference_mode():
+        for mode in modes:
+            rows += profile(loaded, mode, a.batches, a.prompt_lens, a.chunks, a.repeat)
+    print(f"{'stage':<15} {'batch':>5} {'extra':>8} {'graphs':>7} {'ms':>9} {'kernels':>8}")
+    for r in rows:
+        extra = r.get("prompt_len", r.get("chunk", ""))
+        print(f"{r['stage']:<15} {r['batch']:>5} {extra!s:>8} {r['graphs']:>7} {r['ms']:>9.3f} {r['kernels']:>8}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"model": a.model, "device": str(device), "dtype": str(dtype), "torch": torch.__version__,
+                       "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "rows": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
