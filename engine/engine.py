@@ -168,7 +168,10 @@ class Engine:
                 count, seconds = graphs.capture_all()
             self.graph_report = {"enabled": graphs.mode == "cuda", "mode": graphs.mode, "graphs": count,
                                  "capture_s": round(seconds, 2), "batch_buckets": list(graphs.buckets),
-                                 "attention_buckets": list(graphs.kv_buckets), "codec_chunks": list(graphs.chunks)}
+                                 "attention_buckets": list(graphs.kv_buckets), "codec_chunks": list(graphs.chunks),
+                                 "prefill_batches": list(graphs.prefill_buckets),
+                                 "prefill_lengths": list(graphs.prefill_lengths),
+                                 "prefill_eager_above": max(graphs.prefill_lengths, default=0)}
             log.info("captured %d graphs (%s) in %.1f s", count, graphs.mode, seconds)
         except Exception as exc:  # noqa: BLE001 - reported, then served eagerly
             self.runner.graphs = None

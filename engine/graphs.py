@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.model.prompt import NO_CODEC
+
 log = logging.getLogger("voicelane.graphs")
 
 
@@ -22,6 +24,8 @@ class GraphCaptureError(RuntimeError):
     """A stage could not be captured; the runner then serves eagerly and says so (log and /ready)."""
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Prompt lengths a prefill graph exists for; longer prompts (long whole-layout text) prefill eagerly, as /ready says.
+PREFILL_LENGTHS = (16, 32, 64, 128, 256)
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
@@ -105,11 +109,13 @@ class GraphBank:
 
 
 class StageGraphs:
-    """The runner's Code Predictor loop, Talker decode step and streaming codec step as graphs per bucket.
+    """The runner's prefill, Code Predictor loop, Talker decode step and streaming codec step as graphs per bucket.
 
     Talker graphs are also keyed by a bucket of attention length (keys attended); codec graphs by chunk size
     (a final chunk shorter than a ramp size is padded with frames whose audio is cut off: its stream ends there,
-    so the state they leave behind is never read)."""
+    so the state they leave behind is never read); prefill graphs by a bucket of prompt length (padded positions
+    are masked by each row's length, and the cache columns they fill are overwritten before any step reads
+    them)."""
 
     def __init__(self, runner, cfg):
         mode = cfg.graph_mode(runner.device.type)
@@ -123,6 +129,7 @@ class StageGraphs:
         self.samples_per_frame = runner.codec.samples_per_frame
         # Each graph gets its own memory pool: graphs sharing one must replay in capture order, ours do not.
         pool = None
+        self.runner_prefill = runner.prefill_step
         dev, scratch, groups = runner.device, runner.scratch, runner.rest.shape[1] + 1
 
         def slots_and(extra):
@@ -138,10 +145,35 @@ class StageGraphs:
             slots_and(lambda B, key: {"text": i64(B), "frame": i64(B),
                                       "allow_eos": torch.zeros(B, dtype=torch.bool, device=dev)}),
             {"slots": scratch}, capture, pool)
+        prefill_max = min(cfg.scheduler.max_batch["prefill"], slots)
+        self.prefill_buckets = tuple(b for b in DEFAULT_BUCKETS if b < prefill_max) + (prefill_max,)
+        self.prefill_lengths = tuple(n for n in PREFILL_LENGTHS if n <= cfg.max_prompt_tokens)
+        self.text_pad, self.no_codec = runner.model.cfg.tts_pad_id, NO_CODEC
+        self.pf = GraphBank(
+            "prefill", lambda key, slots, text, codec, length, allow_eos: runner.prefill_step(
+                slots, text, codec, length, allow_eos),
+            slots_and(lambda B, key: {"text": torch.full((B, key), self.text_pad, dtype=torch.int64, device=dev),
+                                      "codec": torch.full((B, key), NO_CODEC, dtype=torch.int64, device=dev),
+                                      "length": torch.ones(B, dtype=torch.int64, device=dev),
+                                      "allow_eos": torch.zeros(B, dtype=torch.bool, device=dev)}),
+            {"slots": scratch, "text": self.text_pad, "codec": NO_CODEC, "length": 1}, capture, pool)
         self.cd = GraphBank(
             "codec", lambda key, slots, codes: runner.codec_step(slots, codes),
             slots_and(lambda B, key: {"codes": torch.zeros(B, key, groups, dtype=torch.int64, device=dev)}),
             {"slots": scratch}, capture, pool)
+
+    def prefill(self, slots: Tensor, text: Tensor, codec: Tensor, length: Tensor, allow_eos: Tensor):
+        """Prompts right-padded to a length bucket; beyond the largest bucket, eagerly (a policy, not a failure)."""
+        L = text.shape[1]
+        key = bucket_for(L, self.prefill_lengths) if self.prefill_lengths else 0
+        if key < L:
+            return self.runner_prefill(slots, text, codec, length, allow_eos)
+        if key > L:
+            pad = (0, key - L)
+            text = torch.nn.functional.pad(text, pad, value=self.text_pad)
+            codec = torch.nn.functional.pad(codec, pad, value=self.no_codec)
+        return self.pf.run_split(self.prefill_buckets, key, {"slots": slots, "text": text, "codec": codec,
+                                                            "length": length, "allow_eos": allow_eos})
 
     def code_predictor(self, slots: Tensor, frame: Tensor) -> tuple[Tensor, ...]:
         return self.cp.run_split(self.buckets, None, {"slots": slots, "frame": frame})
@@ -164,6 +196,9 @@ class StageGraphs:
     def capture_all(self) -> tuple[int, float]:
         """Capture every (bucket, key) now, so no request ever waits for a capture. Returns (graphs, seconds)."""
         t0 = time.monotonic()
+        for b in self.prefill_buckets:
+            for key in self.prefill_lengths:
+                self.pf._entry(b, key)
         for b in self.buckets:
             self.cp._entry(b, None)
             for key in self.kv_buckets:
@@ -172,4 +207,4 @@ class StageGraphs:
                 self.cd._entry(b, key)
         if self.mode == "cuda":
             torch.cuda.synchronize()
-        return self.cp.count + self.tk.count + self.cd.count, time.monotonic() - t0
+        return self.pf.count + self.cp.count + self.tk.count + self.cd.count, time.monotonic() - t0

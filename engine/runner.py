@@ -227,7 +227,6 @@ class Runner:
 
     def _prefill(self, rows: list[RowPlan]) -> dict[str, Tensor]:
         self._inject(rows, [0] * len(rows))
-        dev = self.device
         slots = self._slots(rows)
         lengths = [len(r.prompt) for r in rows]
         L = max(lengths)
@@ -239,16 +238,13 @@ class Runner:
             text[i, : lengths[i]] = torch.tensor(r.prompt.text_track)
             codec[i, : lengths[i]] = torch.tensor(r.prompt.codec_track)
         self._load_sampling(rows, slots)
-        self.seen[slots] = False
-        self.codec_state.reset_(slots)
+        text, codec = text.to(self.device), codec.to(self.device)
         length = self._column(lengths, torch.int64)
-        x = self.model.embed_prompt(text.to(dev), codec.to(dev))
-        positions = torch.arange(L, device=dev).expand(len(rows), L)
-        hidden, logits = self.model.talker(x, slots, positions, self.kv, L, last=length - 1, valid_len=length)
-        self._inject(rows, [0] * len(rows), logits)
-        frame = torch.zeros(len(rows), dtype=torch.int64, device=dev)
         allow_eos = self._column([r.eos_allowed for r in rows], torch.bool)
-        code0 = self.sample_code0(slots, logits, frame, allow_eos)
+        hidden, logits, code0 = self._graph_or_eager(
+            rows, lambda: self.graphs.prefill(slots, text, codec, length, allow_eos),
+            lambda: self.prefill_step(slots, text, codec, length, allow_eos,
+                                      on_logits=lambda lg: self._inject(rows, [0] * len(rows), lg)))
         self.hidden[slots], self.code0[slots], self.position[slots] = hidden, code0, length
         for r, n in zip(rows, lengths, strict=True):
             self.host_position[r.slot] = n
@@ -268,18 +264,34 @@ class Runner:
                                        self.seen[slots], allow_eos, frame)
 
     # Pure step functions over static-shaped tensors: run eagerly, or captured once per bucket by StageGraphs.
+    # on_logits (eager only): the test fault hook, called with the logits before sampling.
+    def prefill_step(self, slots: Tensor, text: Tensor, codec: Tensor, length: Tensor, allow_eos: Tensor,
+                     on_logits=None) -> tuple[Tensor, Tensor, Tensor]:
+        """text, codec [B, L] right-padded prompt tracks; length [B] -> hidden [B, H], logits [B, V], code 0 [B]."""
+        B, L = text.shape
+        self.seen.index_fill_(0, slots, False)  # a scalar fill, not a host tensor: capture-safe
+        self.codec_state.reset_(slots)
+        x = self.model.embed_prompt(text, codec)  # [B, L, H]
+        positions = torch.arange(L, device=text.device).expand(B, L)
+        hidden, logits = self.model.talker(x, slots, positions, self.kv, L, last=length - 1, valid_len=length)
+        if on_logits is not None:
+            on_logits(logits)
+        return hidden, logits, self.sample_code0(slots, logits, torch.zeros_like(length), allow_eos)
+
     def code_predictor_step(self, slots: Tensor, frame: Tensor) -> tuple[Tensor]:
         rest, _ = self.model.codes_1_to_15(self.hidden[slots], self.code0[slots],
                                            self.sampling.code_predictor(slots), frame)
         return (rest,)
 
     def talker_step(self, slots: Tensor, text: Tensor, frame: Tensor, allow_eos: Tensor,
-                    kv_len: int) -> tuple[Tensor, Tensor, Tensor]:
+                    kv_len: int, on_logits=None) -> tuple[Tensor, Tensor, Tensor]:
         code0 = self.code0[slots]
         self.seen[slots, code0] = torch.ones_like(code0, dtype=torch.bool)  # a tensor value: capture-safe
         x = self.model.next_input(code0, self.rest[slots], text)
         last = torch.zeros_like(slots)
         hidden, logits = self.model.talker(x, slots, self.position[slots, None], self.kv, kv_len, last=last)
+        if on_logits is not None:
+            on_logits(logits)
         return hidden, logits, self.sample_code0(slots, logits, frame, allow_eos)
 
     def codec_step(self, slots: Tensor, codes: Tensor) -> tuple[Tensor]:
@@ -301,18 +313,10 @@ class Runner:
         frame = self._column([r.frame + 1 for r in rows], torch.int64)
         allow_eos = self._column([r.eos_allowed for r in rows], torch.bool)
         kv_len = max(self.host_position[r.slot] for r in rows) + 1
-
-        def eager():
-            code0 = self.code0[slots]
-            self.seen[slots, code0] = torch.ones_like(code0, dtype=torch.bool)
-            x = self.model.next_input(code0, self.rest[slots], text)
-            last = torch.zeros_like(slots)
-            hidden, logits = self.model.talker(x, slots, self.position[slots, None], self.kv, kv_len, last=last)
-            self._inject(rows, [r.frame + 1 for r in rows], logits)
-            return hidden, logits, self.sample_code0(slots, logits, frame, allow_eos)
-
         hidden, logits, code0 = self._graph_or_eager(
-            rows, lambda: self.graphs.talker(slots, text, frame, allow_eos, kv_len), eager)
+            rows, lambda: self.graphs.talker(slots, text, frame, allow_eos, kv_len),
+            lambda: self.talker_step(slots, text, frame, allow_eos, kv_len,
+                                     on_logits=lambda lg: self._inject(rows, [r.frame + 1 for r in rows], lg)))
         self.hidden[slots], self.code0[slots] = hidden, code0
         self.position[slots] += 1
         for r in rows:

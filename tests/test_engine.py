@@ -272,10 +272,10 @@ async def _drain(ctx):
 
 @pytest.mark.parametrize("ramp", [(1, 2, 4, 8, 12), (3, 5)])
 def test_graph_bucketing_matches_eager(tiny_model, ramp):
-    """The CUDA-graph path pads batches to buckets (scratch slot), attention spans to length buckets and final
-    codec chunks to ramp sizes. Emulated without capture on the CPU, it must give the eager codes and audio."""
+    """The CUDA-graph path pads batches to buckets (scratch slot), prompts and attention spans to length buckets and
+    final codec chunks to ramp sizes. Emulated without capture on the CPU, it must give the eager codes and audio."""
     def run(mode):
-        engine = Engine(tiny_model, EngineConfig(scheduler=SchedulerConfig(max_slots=6, admission_load=1e6,
+        engine = Engine(tiny_model, EngineConfig(scheduler=SchedulerConfig(max_slots=8, admission_load=1e6,
                                                                            chunk_ramp=ramp),
                                                  max_frames=40, max_prompt_tokens=64, cuda_graphs=mode))
         engine.warmup()
@@ -283,8 +283,10 @@ def test_graph_bucketing_matches_eager(tiny_model, ramp):
 
         async def main():
             specs = [(TEXT[: 4 + i], GREEDY.with_overrides(max_frames=11 + 3 * i) if i % 2 else
-                      SamplingParams(seed=i, max_frames=13 + i)) for i in range(5)]
-            return await asyncio.gather(*(speak(engine, t, s) for t, s in specs))
+                      SamplingParams(seed=i, max_frames=13 + i), "dual") for i in range(5)]
+            # Whole-layout prompts of about 20 and 40 positions: prefill graphs of 32 and 64 positions.
+            specs += [(list(range(3000, 3000 + n)), SamplingParams(seed=n, max_frames=9), "whole") for n in (9, 30)]
+            return await asyncio.gather(*(speak(engine, t, s, layout=lay) for t, s, lay in specs))
 
         try:
             return asyncio.run(main()), engine.readiness()
@@ -297,6 +299,7 @@ def test_graph_bucketing_matches_eager(tiny_model, ramp):
     assert ready_eager["cuda_graphs"]["enabled"] is False and "off" in ready_eager["cuda_graphs"]["reason"]
     assert ready_padded["cuda_graphs"]["mode"] == ("cuda" if on_gpu else "emulate")
     assert ready_padded["cuda_graphs"]["graphs"] > 0
+    assert ready_padded["cuda_graphs"]["prefill_lengths"] == [16, 32, 64]
     for (_, a), (_, b) in zip(eager, padded, strict=True):
         assert np.array_equal(codes_of(a), codes_of(b))
         assert np.abs(pcm_of(a) - pcm_of(b)).max() < 1e-5

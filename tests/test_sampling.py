@@ -108,3 +108,12 @@ def test_gumbel_noise_is_finite_even_for_the_extreme_draws():
     logits[0, col] = float("-inf")
     sampler = SamplerRows(torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.ones(1), seed[row : row + 1])
     assert int(choose(logits, sampler, counters[row : row + 1])) != col
+
+
+def test_noise_for_many_counters_at_once_equals_one_counter_at_a_time():
+    seed = torch.tensor([3, 2**40 + 5])
+    counters = torch.tensor([[17, 18, 19], [33, 34, 35]])
+    together = gumbel_noise(seed, counters, 257)
+    assert together.shape == (2, 3, 257)
+    for g in range(3):
+        assert torch.equal(together[:, g], gumbel_noise(seed, counters[:, g], 257))

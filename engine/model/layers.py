@@ -23,8 +23,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x * rsqrt(mean(x^2) + eps), one op
         return self.weight * x32.to(x.dtype)
 
 
@@ -130,14 +129,16 @@ class Attention(nn.Module):
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """Grouped-query attention with an fp32 softmax. q [B, H, T, D]; k, v [B, Hkv, S, D]; mask [B, 1, T, S]."""
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5  # [B, H, T, S]
+    """Grouped-query attention with an fp32 softmax. q [B, H, T, D]; k, v [B, Hkv, S, D]; mask [B, 1, T, S].
+    Query head h reads key/value head h // (H / Hkv); the G query heads of one kv head go through one matmul as
+    G*T rows, so keys and values are never copied G times."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    grouped = q.reshape(B, Hkv, (H // Hkv) * T, D)  # [B, Hkv, G*T, D]
+    scores = torch.matmul(grouped, k.transpose(2, 3)).view(B, H, T, S) * D**-0.5  # [B, H, T, S]
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    return torch.matmul(probs.view(B, Hkv, (H // Hkv) * T, S), v).view(B, H, T, D)
 
 
 class MLP(nn.Module):

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from engine.model.config import ModelConfig
 from engine.model.prompt import NO_CODEC
-from engine.model.sampling import SamplerRows, choose, process_talker_logits
+from engine.model.sampling import SamplerRows, choose, gumbel_noise, process_talker_logits
 from engine.model.talker import Talker
 
 DRAWS_PER_FRAME = 16  # one sampling counter per code of a frame: frame * 16 + group
@@ -59,7 +59,12 @@ class Qwen3TTS(nn.Module):
                       **kw) -> tuple[Tensor, Tensor | None]:
         """Run the Code Predictor for one frame per row: codes [B, 15] int64 and, with keep_logits, their logits
         [B, 15, V]. kw: cache, forced, keep_logits (see CodePredictor.run_frame)."""
+        groups = self.cfg.talker.num_code_groups - 1
+        counters = frame[:, None] * DRAWS_PER_FRAME + torch.arange(1, groups + 1, device=frame.device)  # [B, 15]
+        # All 15 groups' noise in one pass: the same draws as one group at a time, in far fewer kernels.
+        noise = gumbel_noise(rows.seed, counters, self.cfg.talker.code_predictor.vocab_size)  # [B, 15, V]
+
         def pick(group: int, logits: Tensor) -> Tensor:
-            return choose(logits, rows, frame * DRAWS_PER_FRAME + group)
+            return choose(logits, rows, counters[:, group - 1], noise[:, group - 1])
 
         return self.talker.code_predictor.run_frame(hidden, self.talker.embed_codec(code0), pick, **kw)

@@ -39,13 +39,15 @@ def uniform_noise(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
 
 
 def gumbel_noise(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
-    """Standard Gumbel draws [B, vocab] float32, always finite (within about [-3.2, 22.2]).
+    """Standard Gumbel draws, float32, always finite (within about [-3.2, 22.2]): seed [B] with counter [B] ->
+    [B, vocab], or with counter [B, G] -> [B, G, vocab] (G draws per row in one pass: the Code Predictor's 15).
 
     Computed in float64: a float32 uniform rounds to exactly 1.0 for about one draw in 3e7, whose Gumbel value
     is +inf; added to a masked (-inf) logit that gives NaN, and argmax then picks the masked token (a suppressed
     code-0 id the codec cannot decode)."""
-    u = uniform_noise(seed, counter, vocab)
-    return (-torch.log(-torch.log(u))).float()
+    seeds = seed.reshape(seed.shape + (1,) * (counter.dim() - 1)).expand_as(counter)
+    u = uniform_noise(seeds.reshape(-1), counter.reshape(-1), vocab)
+    return (-torch.log(-torch.log(u))).float().view(*counter.shape, vocab)
 
 
 @dataclass
@@ -58,8 +60,9 @@ class SamplerRows:
     seed: Tensor  # [B] int64
 
 
-def choose(logits: Tensor, rows: SamplerRows, counter: Tensor) -> Tensor:
-    """Pick one token per row. logits [B, V] float32 (already processed); counter [B] int64 -> [B] int64."""
+def choose(logits: Tensor, rows: SamplerRows, counter: Tensor, gumbel: Tensor | None = None) -> Tensor:
+    """Pick one token per row. logits [B, V] float32 (already processed); counter [B] int64 -> [B] int64.
+    gumbel [B, V]: the draws for this counter, when made ahead (gumbel_noise with several counters at once)."""
     B, V = logits.shape
     greedy = logits.argmax(dim=-1)
     temp = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))
@@ -76,7 +79,8 @@ def choose(logits: Tensor, rows: SamplerRows, counter: Tensor) -> Tensor:
     last_kept = cut.sum(dim=-1, keepdim=True).clamp(min=1) - 1
     threshold = sorted_desc.gather(1, last_kept)
     scores = scores.masked_fill(scores < threshold, float("-inf"))
-    gumbel = gumbel_noise(rows.seed, counter, V)
+    if gumbel is None:
+        gumbel = gumbel_noise(rows.seed, counter, V)
     sampled = (scores + gumbel).argmax(dim=-1)
     return torch.where(rows.temperature > 0, sampled, greedy)
 

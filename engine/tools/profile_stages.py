@@ -19,6 +19,7 @@ import time
 import torch
 
 from engine.config import EngineConfig, SchedulerConfig
+from engine.graphs import GraphCaptureError
 from engine.model.prompt import build_prompt, resolve_voice
 from engine.model.sampling_params import SamplingParams
 from engine.request import RowPlan, Stage, StagePlan
@@ -54,7 +55,7 @@ class StageProfiler:
                            max_prompt_tokens=prompt_cap + 32, cuda_graphs=graphs)
         self.runner = Runner(loaded, cfg)
         if self.runner.graphs is not None:
-            self.runner.graphs.capture_all()
+            self.runner.graphs.capture_all()  # GraphCaptureError propagates: "on" must not silently mean eager
         self.voice = resolve_voice(loaded.config, next(iter(loaded.config.talker.speaker_ids)), "auto")
         self.sampling = SamplingParams(seed=1, max_frames=256)
 
@@ -117,9 +118,14 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load(a.model, a.device, dtype)
     modes = a.graphs or (["on", "off"] if device.type == "cuda" else ["off"])
     rows = []
+    failures = {}
     with torch.inference_mode():
         for mode in modes:
-            rows += profile(loaded, mode, a.batches, a.prompt_lens, a.chunks, a.repeat)
+            try:
+                rows += profile(loaded, mode, a.batches, a.prompt_lens, a.chunks, a.repeat)
+            except GraphCaptureError as exc:
+                failures[mode] = str(exc)
+                print(f"graphs {mode}: capture FAILED, not measured: {exc}")
     print(f"{'stage':<15} {'batch':>5} {'extra':>8} {'graphs':>7} {'ms':>9} {'kernels':>8}")
     for r in rows:
         extra = r.get("prompt_len", r.get("chunk", ""))
@@ -127,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"model": a.model, "device": str(device), "dtype": str(dtype), "torch": torch.__version__,
-                       "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "rows": rows}, f,
+                       "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "rows": rows,
+                       "capture_failures": failures}, f,
                       indent=1)
 
 
