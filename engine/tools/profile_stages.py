@@ -52,7 +52,8 @@ class StageProfiler:
     def __init__(self, loaded, graphs: str, max_slots: int, prompt_cap: int):
         self.loaded = loaded
         cfg = EngineConfig(scheduler=SchedulerConfig(max_slots=max_slots), max_frames=256,
-                           max_prompt_tokens=prompt_cap + 32, cuda_graphs=graphs)
+                           max_prompt_tokens=max(prompt_cap + 32, 256),  # the server's prefill graphs
+                           cuda_graphs=graphs)
         self.runner = Runner(loaded, cfg)
         if self.runner.graphs is not None:
             self.runner.graphs.capture_all()  # GraphCaptureError propagates: "on" must not silently mean eager
