@@ -195,10 +195,17 @@ class Runner:
 
     # ------------------------------------------------------------------ stages
     def _slots(self, rows: list[RowPlan]) -> Tensor:
-        return torch.tensor([r.slot for r in rows], dtype=torch.int64, device=self.device)
+        return self._column([r.slot for r in rows], torch.int64)
 
     def _column(self, values: list, dtype: torch.dtype) -> Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        return self._upload(torch.tensor(values, dtype=dtype))
+
+    def _upload(self, host: Tensor) -> Tensor:
+        """Host tensor -> the device without waiting: a copy from pageable memory would synchronize the stream
+        (the host would wait for the step in flight); from pinned memory it is queued behind it."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _inject(self, rows: list[RowPlan], code0_index: list[int], logits: Tensor | None = None) -> None:
         """Test-only faults: before the model runs, raise for "exception" faults; once logits exist, poison the
@@ -238,7 +245,7 @@ class Runner:
             text[i, : lengths[i]] = torch.tensor(r.prompt.text_track)
             codec[i, : lengths[i]] = torch.tensor(r.prompt.codec_track)
         self._load_sampling(rows, slots)
-        text, codec = text.to(self.device), codec.to(self.device)
+        text, codec = self._upload(text), self._upload(codec)
         length = self._column(lengths, torch.int64)
         allow_eos = self._column([r.eos_allowed for r in rows], torch.bool)
         hidden, logits, code0 = self._graph_or_eager(

@@ -6,12 +6,14 @@ without CUDA graphs, and count the device kernels (or, on a CPU, the operators) 
 
 Each number is the median wall time of launch + collect (the runner's own entry points, so index uploads and
 result copies count) over --repeat calls after one warm-up call. This is where a step's milliseconds go; the
-scheduler and the server are not involved.
+scheduler and the server are not involved. On CUDA every launch runs under torch's sync debug mode "error": a step
+that makes the host wait for the device fails the tool.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -25,6 +27,18 @@ from engine.model.sampling_params import SamplingParams
 from engine.request import RowPlan, Stage, StagePlan
 from engine.runner import Runner
 from engine.tools.bench_engine import load
+
+
+@contextlib.contextmanager
+def _no_host_sync(device: torch.device):
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def _kernels(fn, device: torch.device) -> int:
@@ -59,9 +73,13 @@ class StageProfiler:
             self.runner.graphs.capture_all()  # GraphCaptureError propagates: "on" must not silently mean eager
         self.voice = resolve_voice(loaded.config, next(iter(loaded.config.talker.speaker_ids)), "auto")
         self.sampling = SamplingParams(seed=1, max_frames=256)
+        self.check_syncs = False  # from the second call of a stage on (first calls may initialise lazily)
 
     def _run(self, stage: Stage, rows: list[RowPlan]) -> None:
-        result = self.runner.collect(self.runner.launch(StagePlan(stage, rows)))
+        # On CUDA, any host synchronisation while launching a step raises (the runner promises none).
+        with _no_host_sync(self.loaded.device if self.check_syncs else torch.device("cpu")):
+            pending = self.runner.launch(StagePlan(stage, rows))
+        result = self.runner.collect(pending)
         if any(result.failed):
             raise RuntimeError(f"{stage.value} step failed: {next(f for f in result.failed if f)}")
 
@@ -87,6 +105,9 @@ def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chu
     rows = []
 
     def measure(stage: str, batch: int, fn, **extra) -> None:
+        p.check_syncs = False
+        fn()
+        p.check_syncs = True
         ms = _time(fn, repeat)
         rows.append({"stage": stage, "batch": batch, **extra, "graphs": graphs, "ms": round(ms, 3),
                      "kernels": _kernels(fn, loaded.device)})
