@@ -60,6 +60,8 @@ class Pending:
     started: float
     parts: list[tuple[list[int], dict[str, Tensor]]] = field(default_factory=list)  # (row indices, outputs)
     failed: dict[int, str] = field(default_factory=dict)  # row index -> reason
+    elapsed_s: float = 0.0  # CPU: the launch ran the step, so its duration is known when launch returns
+    start_event: object = None  # CUDA: timing events around the step's own work on the stream
     end_event: object = None
 
 
@@ -98,6 +100,11 @@ class Runner:
     @torch.inference_mode()
     def launch(self, plan: StagePlan) -> Pending:
         pending = Pending(plan, time.monotonic())
+        if self.device.type == "cuda":
+            # Launches do not wait for the step before them, so host time would count that step too: the
+            # scheduler's cost model needs this step's own device time, which events around it give.
+            pending.start_event = torch.cuda.Event(enable_timing=True)
+            pending.start_event.record()
         stage_fn = getattr(self, f"_{plan.stage.value}")
 
         def run(rows: list[RowPlan]) -> dict[str, Tensor]:
@@ -127,15 +134,19 @@ class Runner:
             for key, value in outputs.items():
                 outputs[key] = value.to("cpu", non_blocking=True) if value.device.type == "cuda" else value
         if self.device.type == "cuda":
-            pending.end_event = torch.cuda.Event()
+            pending.end_event = torch.cuda.Event(enable_timing=True)
             pending.end_event.record()
+        else:
+            pending.elapsed_s = time.monotonic() - pending.started
         return pending
 
     def collect(self, pending: Pending) -> StageResult:
+        elapsed = pending.elapsed_s
         if pending.end_event is not None:
             pending.end_event.synchronize()
+            elapsed = pending.start_event.elapsed_time(pending.end_event) / 1e3
         plan, n = pending.plan, len(pending.plan.rows)
-        result = StageResult(plan.stage, [r.rid for r in plan.rows], time.monotonic() - pending.started)
+        result = StageResult(plan.stage, [r.rid for r in plan.rows], elapsed)
         failed: list[str | None] = [pending.failed.get(i) for i in range(n)]
         merged: dict[str, list] = {}
         for rows, outputs in pending.parts:

@@ -385,3 +385,19 @@ def test_debug_sync_refuses_out_of_range_state_row_by_row(tiny_model):
     assert bad_events[-1].reason == "error" and "codec step input out of range" in bad_events[-1].error_message
     assert f"slot {corrupted[0]}" in bad_events[-1].error_message
     assert good_events[-1].reason == "max_frames" and codes_of(good_events).shape[0] == 16
+
+
+def test_a_step_is_timed_alone_not_with_what_ran_before_its_collect(tiny_model):
+    """The cost model learns from each step's duration: the loop launches the next step before it collects this
+    one, so the time between must not be charged to this step."""
+    import time as _time
+
+    from engine.request import RowPlan, Stage, StagePlan
+    from engine.runner import Runner
+
+    runner = Runner(tiny_model, EngineConfig(scheduler=SchedulerConfig(max_slots=2), max_frames=16,
+                                             max_prompt_tokens=64))
+    pending = runner.launch(StagePlan(Stage.CODEC, [RowPlan(0, 0, 0, 0, chunk=1)]))
+    _time.sleep(0.3)  # the next step's launch, on the host
+    result = runner.collect(pending)
+    assert 0 < result.elapsed_s < 0.3 and result.failed == [None]
