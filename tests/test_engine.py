@@ -277,15 +277,17 @@ def test_graph_bucketing_matches_eager(tiny_model, ramp):
     def run(mode):
         engine = Engine(tiny_model, EngineConfig(scheduler=SchedulerConfig(max_slots=8, admission_load=1e6,
                                                                            chunk_ramp=ramp),
-                                                 max_frames=40, max_prompt_tokens=64, cuda_graphs=mode))
+                                                 max_frames=40, max_prompt_tokens=100, cuda_graphs=mode))
         engine.warmup()
         engine.start()
 
         async def main():
             specs = [(TEXT[: 4 + i], GREEDY.with_overrides(max_frames=11 + 3 * i) if i % 2 else
                       SamplingParams(seed=i, max_frames=13 + i), "dual") for i in range(5)]
-            # Whole-layout prompts of about 20 and 40 positions: prefill graphs of 32 and 64 positions.
-            specs += [(list(range(3000, 3000 + n)), SamplingParams(seed=n, max_frames=9), "whole") for n in (9, 30)]
+            # Whole-layout prompts of about 20, 40 and 80 positions: prefill graphs of 32 and 64 positions, and
+            # beyond the largest bucket (64 under this prompt cap) the eager prefill.
+            specs += [(list(range(3000, 3000 + n)), SamplingParams(seed=n, max_frames=9), "whole")
+                      for n in (9, 30, 70)]
             return await asyncio.gather(*(speak(engine, t, s, layout=lay) for t, s, lay in specs))
 
         try:
