@@ -1,4 +1,7 @@
-"""Step-time model for admission: per stage, time = fixed + per_row * batch, fitted online. No torch."""
+"""Step-time model for admission: per stage, time = fixed + per_row * work, fitted online. No torch.
+
+Work is the batch size, except for the codec, whose cost grows with frames decoded: there it is rows x frames
+per row, so steps of every chunk size of the ramp fit one line."""
 
 from __future__ import annotations
 
@@ -33,12 +36,12 @@ class CostModel:
     def __init__(self) -> None:
         self.fits = {stage: _LinearFit() for stage in Stage}
 
-    def observe(self, stage: Stage, batch: int, seconds: float) -> None:
+    def observe(self, stage: Stage, batch: int, seconds: float, frames_per_row: int = 1) -> None:
         if batch > 0:
-            self.fits[stage].observe(batch, seconds)
+            self.fits[stage].observe(batch * (frames_per_row if stage == Stage.CODEC else 1), seconds)
 
-    def step_s(self, stage: Stage, batch: int) -> float | None:
-        return self.fits[stage].predict(batch)
+    def step_s(self, stage: Stage, batch: int, frames_per_row: int = 1) -> float | None:
+        return self.fits[stage].predict(batch * (frames_per_row if stage == Stage.CODEC else 1))
 
     def round_s(self, streams: int, frames_per_codec_chunk: int) -> float | None:
         """Predicted time to give `streams` concurrent streams one more frame each (None: nothing measured)."""
@@ -46,5 +49,6 @@ class CostModel:
         cp = self.step_s(Stage.CODE_PREDICTOR, streams)
         if talker is None or cp is None:
             return None
-        codec = self.step_s(Stage.CODEC, streams) or 0.0
-        return talker + cp + codec / max(1, frames_per_codec_chunk)
+        chunk = max(1, frames_per_codec_chunk)
+        codec = self.step_s(Stage.CODEC, streams, chunk) or 0.0
+        return talker + cp + codec / chunk

@@ -270,7 +270,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
     def update(self, result: StageResult, now: float) -> list[Emit]:
-        self.costs.observe(result.stage, len(result.rids), result.elapsed_s)
+        chunks = [len(c) for c in result.codes or () if c is not None]  # codec: frames per row of this step
+        frames = chunks[0] if chunks else 1
+        self.costs.observe(result.stage, len(result.rids), result.elapsed_s, frames)
         for i, rid in enumerate(result.rids):
             r = self.requests.get(rid)
             if r is None or r.done:

@@ -253,3 +253,34 @@ def test_client_buffer_level_and_state_drive_urgency():
     # A player that reports an underrun is waiting right now, whatever was delivered.
     sched.playback(cid, 0.0, "underrun", None, now)
     assert sched.deadline(req, now) <= now
+
+
+def test_the_cost_model_fits_codec_steps_of_every_chunk_size_as_frame_rows():
+    """Codec steps of 1 and 12 frames per row cost very differently at the same batch size: fitted per frame-row,
+    they predict the per-frame codec share of a round; fitted per row, they would not."""
+    from engine.cost_model import CostModel
+
+    def true_codec_s(batch, frames):
+        return 0.002 + 0.00015 * batch * frames
+
+    costs = CostModel()
+    for batch in (2, 5, 9, 16, 30):
+        for frames in (1, 2, 4, 8, 12):
+            costs.observe(Stage.CODEC, batch, true_codec_s(batch, frames), frames)
+    for streams in (8, 40):
+        assert costs.step_s(Stage.CODEC, streams, 12) == pytest.approx(true_codec_s(streams, 12), rel=0.02)
+        assert costs.step_s(Stage.CODEC, streams, 1) == pytest.approx(true_codec_s(streams, 1), rel=0.05)
+        costs.observe(Stage.TALKER, streams, 0.010)
+        costs.observe(Stage.CODE_PREDICTOR, streams, 0.015)
+    round_40 = costs.round_s(40, 12)
+    assert round_40 == pytest.approx(0.010 + 0.015 + true_codec_s(40, 12) / 12, rel=0.05)
+
+
+def test_scheduler_teaches_the_cost_model_each_codec_steps_chunk():
+    sched, *_ = make(SchedulerConfig(max_slots=4))
+    seen = []
+    sched.costs.observe = lambda stage, batch, seconds, frames=1: seen.append((stage, batch, frames))
+    codes = [None, np.zeros((8, 16), np.int64)]  # a failed row has no codes
+    sched.update(StageResult(Stage.CODEC, [], 0.01, pcm=[None, np.zeros(8 * 1920)], codes=codes), 0.0)
+    sched.update(StageResult(Stage.TALKER, [], 0.01), 0.0)
+    assert seen == [(Stage.CODEC, 0, 8), (Stage.TALKER, 0, 1)]
