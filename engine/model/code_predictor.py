@@ -67,8 +67,8 @@ class CodePredictor(nn.Module):
         codes, logits_seen = [], []
         for group in range(1, self.groups + 1):
             span = slice(0, 2) if group == 1 else slice(group, group + 1)
-            batch = AttentionBatch(rows, every.positions[:, span], every.mask[:, :, span], every.cos[:, span],
-                                   every.sin[:, span])
+            batch = AttentionBatch(rows, every.positions[:, span], every.blocked[:, :, span], every.cos[:, span],
+                                   every.sin_signed[:, span])
             h = self.model.run(x, batch, cache)[:, -1]  # [B, H_cp]
             logits = self.lm_head[group - 1](h).float()  # [B, V]
             code = choose(group, logits)

@@ -23,8 +23,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x * rsqrt(mean(x^2) + eps), one op
-        return self.weight * x32.to(x.dtype)
+        # rms_norm upcasts half-precision input to fp32 and rounds its result back: the official arithmetic
+        # (normalise in fp32, cast, then the weight multiply) in one op and without two dtype copies.
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
 _INV_FREQ: dict[tuple[int, float, str], Tensor] = {}
@@ -48,11 +49,16 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dt
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, H, T, D]; cos, sin [B, T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+def signed_sin(sin: Tensor) -> Tensor:
+    """sin [..., D] -> [-sin[:D/2], sin[D/2:]]: folds rotate-half's negation into the table, once per forward."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """NeoX RoPE, x * cos + rotate_half(x) * sin, bit for bit: rotate_half(x) * sin = roll(x) * signed_sin.
+    x [B, H, T, D]; cos, sin_signed [B, T, D]."""
+    return x * cos[:, None] + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed[:, None]
 
 
 @dataclass
@@ -82,9 +88,9 @@ class AttentionBatch:
 
     slots: Tensor  # [B] int64, cache rows of the batch rows
     positions: Tensor  # [B, T] int64, absolute position of each new token (RoPE angle and cache column)
-    mask: Tensor  # [B, 1, T, S] bool, True where a new token may attend cache column s < S
+    blocked: Tensor  # [B, 1, T, S] bool, True where a new token may NOT attend cache column s < S
     cos: Tensor  # [B, T, head_dim], activation dtype
-    sin: Tensor  # [B, T, head_dim]
+    sin_signed: Tensor  # [B, T, head_dim], signed_sin of the sine table
 
     @classmethod
     def build(cls, cfg: DecoderStackConfig, slots: Tensor, positions: Tensor, kv_len: int, dtype,
@@ -96,7 +102,7 @@ class AttentionBatch:
         if valid_len is not None:
             mask = mask & (cols[None, None, :] < valid_len[:, None, None])
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
-        return cls(slots=slots, positions=positions, mask=mask[:, None], cos=cos, sin=sin)
+        return cls(slots=slots, positions=positions, blocked=~mask[:, None], cos=cos, sin_signed=signed_sin(sin))
 
 
 class Attention(nn.Module):
@@ -116,27 +122,28 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, batch.cos, batch.sin), apply_rope(k, batch.cos, batch.sin)  # [B, H, T, D]
+        q, k = apply_rope(q, batch.cos, batch.sin_signed), apply_rope(k, batch.cos, batch.sin_signed)  # [B,H,T,D]
 
         rows = batch.slots[:, None]  # [B, 1] broadcast against positions [B, T]
         k_cache[rows, :, batch.positions] = k.transpose(1, 2)
         v_cache[rows, :, batch.positions] = v.transpose(1, 2)
-        S = batch.mask.shape[-1]
+        S = batch.blocked.shape[-1]
         keys = k_cache[batch.slots, :, :S]  # [B, kv_heads, S, D]
         values = v_cache[batch.slots, :, :S]
-        out = attention(q, keys, values, batch.mask)  # [B, H, T, D]
+        out = attention(q, keys, values, batch.blocked)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """Grouped-query attention with an fp32 softmax. q [B, H, T, D]; k, v [B, Hkv, S, D]; mask [B, 1, T, S].
+def attention(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor) -> Tensor:
+    """Grouped-query attention with an fp32 softmax. q [B, H, T, D]; k, v [B, Hkv, S, D]; blocked [B, 1, T, S]
+    (True: no attention).
     Query head h reads key/value head h // (H / Hkv); the G query heads of one kv head go through one matmul as
     G*T rows, so keys and values are never copied G times."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     grouped = q.reshape(B, Hkv, (H // Hkv) * T, D)  # [B, Hkv, G*T, D]
     scores = torch.matmul(grouped, k.transpose(2, 3)).view(B, H, T, S) * D**-0.5  # [B, H, T, S]
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    scores = scores.masked_fill(blocked, torch.finfo(scores.dtype).min)
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs.view(B, Hkv, (H // Hkv) * T, S), v).view(B, H, T, D)
 
