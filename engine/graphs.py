@@ -129,7 +129,6 @@ class StageGraphs:
         self.samples_per_frame = runner.codec.samples_per_frame
         # Each graph gets its own memory pool: graphs sharing one must replay in capture order, ours do not.
         pool = None
-        self.runner_prefill = runner.prefill_step
         dev, scratch, groups = runner.device, runner.scratch, runner.rest.shape[1] + 1
 
         def slots_and(extra):
@@ -148,7 +147,8 @@ class StageGraphs:
         prefill_max = min(cfg.scheduler.max_batch["prefill"], slots)
         self.prefill_buckets = tuple(b for b in DEFAULT_BUCKETS if b < prefill_max) + (prefill_max,)
         self.prefill_lengths = tuple(n for n in PREFILL_LENGTHS if n <= cfg.max_prompt_tokens)
-        self.text_pad, self.no_codec = runner.model.cfg.tts_pad_id, NO_CODEC
+        self.text_pad = runner.model.cfg.tts_pad_id
+        self.eager_prefill = runner.prefill_step  # prompts longer than the largest length bucket
         self.pf = GraphBank(
             "prefill", lambda key, slots, text, codec, length, allow_eos: runner.prefill_step(
                 slots, text, codec, length, allow_eos),
@@ -167,11 +167,11 @@ class StageGraphs:
         L = text.shape[1]
         key = bucket_for(L, self.prefill_lengths) if self.prefill_lengths else 0
         if key < L:
-            return self.runner_prefill(slots, text, codec, length, allow_eos)
+            return self.eager_prefill(slots, text, codec, length, allow_eos)
         if key > L:
             pad = (0, key - L)
             text = torch.nn.functional.pad(text, pad, value=self.text_pad)
-            codec = torch.nn.functional.pad(codec, pad, value=self.no_codec)
+            codec = torch.nn.functional.pad(codec, pad, value=NO_CODEC)
         return self.pf.run_split(self.prefill_buckets, key, {"slots": slots, "text": text, "codec": codec,
                                                             "length": length, "allow_eos": allow_eos})
 
