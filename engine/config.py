@@ -18,6 +18,7 @@ class SchedulerConfig:
     safety_lead_s: float = 0.25  # a playing stream turns urgent this long before its buffer would run dry
     admission_load: float = 0.85  # admit while the predicted round of all streams fits in this share of 80 ms
     max_waiting_first_audio: int = 32  # requests still waiting for their first audio (beyond: overloaded)
+    max_step_s: float = 0.02  # a step predicted longer is split (a newcomer waits for the step in flight); 0 = off
     bench_frames_per_word: int = 0  # PROTOCOL 1.6 benchmark length mode; 0 = off
 
     def validate(self) -> None:
@@ -32,6 +33,8 @@ class SchedulerConfig:
             raise EngineConfigError(f"safety_lead_s = {self.safety_lead_s}; it must be >= 0")
         if not 0 < self.admission_load:
             raise EngineConfigError(f"admission_load = {self.admission_load}; it must be > 0 (1.0 = full GPU)")
+        if self.max_step_s < 0:
+            raise EngineConfigError(f"max_step_s = {self.max_step_s}; use 0 (off) or a step length in seconds")
         if self.bench_frames_per_word < 0:
             raise EngineConfigError(f"bench_frames_per_word = {self.bench_frames_per_word}; use 0 (off) or more")
 

@@ -217,11 +217,24 @@ class Scheduler:
             stage, chunk = self._throughput_stage(runnable)
         members = [x for x in runnable if x[1] == stage and (stage != Stage.CODEC or x[2] == chunk)]
         members.sort(key=lambda x: (x[3] > now, x[3]))
-        batch = [x[0] for x in members[: self.cfg.max_batch[stage.value]]]
+        size = self._step_rows(stage, chunk, min(len(members), self.cfg.max_batch[stage.value]))
+        batch = [x[0] for x in members[:size]]
         rows = [self._advance(r, stage, chunk, now) for r in batch]
         for r in batch:
             self._last_served[r.rid] = now
         return StagePlan(stage, rows)
+
+    def _step_rows(self, stage: Stage, chunk: int, rows: int) -> int:
+        """The largest batch (at least one row) whose predicted step fits max_step_s: a request that arrives
+        now waits for the step in flight before its prefill, so long steps (the codec's largest chunks at large
+        batches) become its latency; the rest of the batch runs in the next steps."""
+        limit, frames = self.cfg.max_step_s, max(chunk, 1)
+        single = self.costs.step_s(stage, 1, frames)
+        if not limit or single is None or single > limit:
+            return rows  # nothing measured yet, or even one row is too long: splitting would only lose batching
+        while rows > 1 and self.costs.step_s(stage, rows, frames) > limit:
+            rows -= 1
+        return rows
 
     def _throughput_stage(self, runnable) -> tuple[Stage, int]:
         groups: dict[tuple[Stage, int], int] = {}

@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="diagnostics (slow): check every step's indices on the host and wait for the GPU after it, "
                         "so a fault names its stage, rows and values")
     g.add_argument("--safety-lead-s", type=float, default=eng.safety_lead_s)
+    g.add_argument("--max-step-ms", type=float, default=eng.max_step_s * 1e3,
+                   help="split a batch whose predicted step is longer (bounds a newcomer's wait); 0 = off")
     g = s.add_argument_group("operations")
     g.add_argument("--drain-timeout-s", type=float, default=25.0,
                    help="on SIGTERM/SIGINT: how long contexts in flight may finish (under k8s' 30 s grace)")
@@ -125,7 +127,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
 
         bench = RANDOM_FRAMES_PER_WORD if is_random(a.model) else 0
     sched = replace(SchedulerConfig(), max_slots=a.max_slots, bench_frames_per_word=bench,
-                    admission_load=a.admission_load, safety_lead_s=a.safety_lead_s)
+                    admission_load=a.admission_load, safety_lead_s=a.safety_lead_s,
+                    max_step_s=a.max_step_ms / 1e3)
     engine = EngineConfig(scheduler=sched, max_frames=a.max_frames, max_prompt_tokens=a.max_prompt_tokens,
                           cuda_graphs=a.cuda_graphs, debug_sync=a.debug_sync)
     limits = Limits(max_contexts=a.max_contexts, max_text_chars_per_message=a.max_text_chars_per_message,

@@ -284,3 +284,28 @@ def test_scheduler_teaches_the_cost_model_each_codec_steps_chunk():
     sched.update(StageResult(Stage.CODEC, [], 0.01, pcm=[None, np.zeros(8 * 1920)], codes=codes), 0.0)
     sched.update(StageResult(Stage.TALKER, [], 0.01), 0.0)
     assert seen == [(Stage.CODEC, 0, 8), (Stage.TALKER, 0, 1)]
+
+
+def test_a_step_predicted_too_long_is_split_so_newcomers_wait_less():
+    """The codec's big chunks at large batches are the longest steps; a newcomer waits for the step in flight.
+    Batches predicted above max_step_s are cut (at least one row each), and with the cap off they are not."""
+
+    def codec_heavy(stage, batch, frames=1):
+        per_row = 0.00015 * frames if stage == Stage.CODEC else 0.0002
+        return 0.002 + per_row * batch
+
+    def codec_batches(max_step_s):
+        cfg = SchedulerConfig(max_slots=24, max_step_s=max_step_s, admission_load=1e6)
+        sched, core, runner, clock, emitted = make(cfg)
+        cids = [open_ctx(sched, clock, words=20, max_frames=30) for _ in range(24)]
+        sched.costs.step_s = codec_heavy  # the fitted model, fixed for the test
+        sched.costs.observe = lambda *a, **k: None
+        core.run_until_idle()
+        assert all(len(audio(emitted, c)) > 0 for c in cids)
+        return [(len(p.rows), p.rows[0].chunk) for p in runner.plans if p.stage == Stage.CODEC]
+
+    capped = codec_batches(0.021)
+    assert all(codec_heavy(Stage.CODEC, n, c) <= 0.021 or n == 1 for n, c in capped)
+    assert max(n for n, c in capped if c == 12) == 10  # 0.002 + 0.0018 * 10 = 20 ms; 11 rows: 21.8 ms
+    uncapped = codec_batches(0.0)
+    assert max(codec_heavy(Stage.CODEC, n, c) for n, c in uncapped) > 0.021  # e.g. 16 rows x 12 frames: 31 ms
