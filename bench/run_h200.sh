@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 report's load points, all against one server started here (docs/benchmarks/README.md says why each).
-#   bench/run_h200.sh OUT_DIR PHASE...      phases: w1 capacity w2 w3
+#   bench/run_h200.sh OUT_DIR PHASE...      phases: profile engine (no server), w1 capacity w2 w3
 # (MODEL, SERVER_ARGS, WARMUP, WINDOW, W1_RPS override the defaults, e.g. for a CPU smoke run with tiny-random.)
 # On a copy of the tree whose git metadata is stale, set VOICELANE_COMMIT so the reports name the right commit.
 # capacity is resumable: keep OUT_DIR/capacity_w1.json and run the phase again until it exits 0.
@@ -10,10 +10,14 @@ URL=http://127.0.0.1:8000
 BASE=${BASE:-docs/benchmarks/h200/baseline_official.json}
 COMMON=(--url "$URL" --warmup "${WARMUP:-15}" --window "${WINDOW:-60}" --seed 0)
 mkdir -p "$OUT"
-python3 -m server serve --model "${MODEL:-random:1.7b}" ${SERVER_ARGS:-} --bench-frames-per-word 5 --port 8000 >"$OUT/server.log" 2>&1 &
-SERVER_PID=$!
-trap 'kill $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null' EXIT
-python3 - "$URL" <<'PY' || exit 1
+SERVER_PID=
+start_server() {  # once, before the first phase that needs it
+  [ -n "$SERVER_PID" ] && return 0
+  python3 -m server serve --model "${MODEL:-random:1.7b}" ${SERVER_ARGS:-} --bench-frames-per-word 5 --port 8000 \
+    >"$OUT/server.log" 2>&1 &
+  SERVER_PID=$!
+  trap 'kill $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null' EXIT
+  python3 - "$URL" <<'PY'
 import sys, time, urllib.request
 for _ in range(300):
     try:
@@ -23,9 +27,18 @@ for _ in range(300):
         time.sleep(1)
 sys.exit("server not ready after 300 s")
 PY
+}
 status=0
 for phase in "$@"; do
   case $phase in
+    profile|engine) ;;
+    *) start_server || exit 1 ;;
+  esac
+  case $phase in
+    profile) python3 -m engine.tools.profile_stages --model "${MODEL:-random:1.7b}" --batches 1 8 64 \
+          --prompt-lens 16 64 --chunks 1 12 --graphs on --out "$OUT/stages.json" || status=1 ;;
+    engine) python3 -m engine.tools.bench_engine --model "${MODEL:-random:1.7b}" --streams 1 8 32 64 --frames 60 \
+          --json "$OUT/bench_engine.json" || status=1 ;;
     w1) RATES=${W1_RPS:-1 10 20}
         python3 -m bench.loadgen "${COMMON[@]}" --workload w1 --rps $RATES --baseline "$BASE" \
           --out "$OUT/w1_rps${RATES// /_}.json" || status=1 ;;
