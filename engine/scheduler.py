@@ -232,9 +232,14 @@ class Scheduler:
         single = self.costs.step_s(stage, 1, frames)
         if not limit or single is None or single > limit:
             return rows  # nothing measured yet, or even one row is too long: splitting would only lose batching
-        while rows > 1 and self.costs.step_s(stage, rows, frames) > limit:
-            rows -= 1
-        return rows
+        lo, hi = 1, rows  # the fit grows with the batch: binary search for the largest batch within the limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.costs.step_s(stage, mid, frames) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _throughput_stage(self, runnable) -> tuple[Stage, int]:
         groups: dict[tuple[Stage, int], int] = {}
