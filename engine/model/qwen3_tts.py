@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from engine.model.config import ModelConfig
 from engine.model.prompt import NO_CODEC
-from engine.model.sampling import SamplerRows, choose, gumbel_noise, process_talker_logits
+from engine.model.sampling import SamplerRows, choose, gumbel_noise, process_talker_logits, row_constants
 from engine.model.talker import Talker
 
 DRAWS_PER_FRAME = 16  # one sampling counter per code of a frame: frame * 16 + group
@@ -62,9 +62,11 @@ class Qwen3TTS(nn.Module):
         groups = self.cfg.talker.num_code_groups - 1
         counters = frame[:, None] * DRAWS_PER_FRAME + torch.arange(1, groups + 1, device=frame.device)  # [B, 15]
         # All 15 groups' noise in one pass: the same draws as one group at a time, in far fewer kernels.
-        noise = gumbel_noise(rows.seed, counters, self.cfg.talker.code_predictor.vocab_size)  # [B, 15, V]
+        vocab = self.cfg.talker.code_predictor.vocab_size
+        noise = gumbel_noise(rows.seed, counters, vocab)  # [B, 15, V]
+        constants = row_constants(rows, vocab)
 
         def pick(group: int, logits: Tensor) -> Tensor:
-            return choose(logits, rows, counters[:, group - 1], noise[:, group - 1])
+            return choose(logits, rows, counters[:, group - 1], noise[:, group - 1], constants)
 
         return self.talker.code_predictor.run_frame(hidden, self.talker.embed_codec(code0), pick, **kw)

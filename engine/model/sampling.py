@@ -60,29 +60,47 @@ class SamplerRows:
     seed: Tensor  # [B] int64
 
 
-def choose(logits: Tensor, rows: SamplerRows, counter: Tensor, gumbel: Tensor | None = None) -> Tensor:
+@dataclass
+class RowConstants:
+    """What choose() derives from the rows alone; the Code Predictor's 15 draws per frame share one."""
+
+    temperature: Tensor  # [B, 1] float32, 1 for greedy rows (their scores are unused)
+    kth_index: Tensor  # [B, 1] int64, index of the k-th best score in descending order
+    keep_all: Tensor  # [B, 1] bool, top_p >= 1 (no nucleus cut)
+    sampled: Tensor  # [B] bool, temperature > 0
+
+
+def row_constants(rows: SamplerRows, vocab: int) -> RowConstants:
+    sampled = rows.temperature > 0
+    temperature = torch.where(sampled, rows.temperature, torch.ones_like(rows.temperature))
+    k = torch.where(rows.top_k > 0, rows.top_k, torch.full_like(rows.top_k, vocab)).clamp(1, vocab)
+    return RowConstants(temperature[:, None], (k - 1)[:, None], (rows.top_p >= 1.0)[:, None], sampled)
+
+
+def choose(logits: Tensor, rows: SamplerRows, counter: Tensor, gumbel: Tensor | None = None,
+           constants: RowConstants | None = None) -> Tensor:
     """Pick one token per row. logits [B, V] float32 (already processed); counter [B] int64 -> [B] int64.
-    gumbel [B, V]: the draws for this counter, when made ahead (gumbel_noise with several counters at once)."""
+    gumbel [B, V]: the draws for this counter, when made ahead (gumbel_noise with several counters at once);
+    constants: row_constants(rows, V), when made ahead."""
     B, V = logits.shape
+    c = constants if constants is not None else row_constants(rows, V)
     greedy = logits.argmax(dim=-1)
-    temp = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))
-    scores = logits / temp[:, None]
+    scores = logits / c.temperature
     sorted_desc, _ = scores.sort(dim=-1, descending=True)  # [B, V]
-    k = torch.where(rows.top_k > 0, rows.top_k, torch.full_like(rows.top_k, V)).clamp(1, V)
-    kth = sorted_desc.gather(1, (k - 1)[:, None])  # [B, 1]
+    kth = sorted_desc.gather(1, c.kth_index)  # [B, 1]
     scores = scores.masked_fill(scores < kth, float("-inf"))
     # top-p: keep a token while the probability mass ranked strictly above it is below top_p.
     sorted_desc = sorted_desc.masked_fill(sorted_desc < kth, float("-inf"))
     probs = torch.softmax(sorted_desc, dim=-1)
     mass_above = torch.cumsum(probs, dim=-1) - probs  # [B, V]
-    cut = (mass_above < rows.top_p[:, None]) | (rows.top_p[:, None] >= 1.0)
+    cut = (mass_above < rows.top_p[:, None]) | c.keep_all
     last_kept = cut.sum(dim=-1, keepdim=True).clamp(min=1) - 1
     threshold = sorted_desc.gather(1, last_kept)
     scores = scores.masked_fill(scores < threshold, float("-inf"))
     if gumbel is None:
         gumbel = gumbel_noise(rows.seed, counter, V)
     sampled = (scores + gumbel).argmax(dim=-1)
-    return torch.where(rows.temperature > 0, sampled, greedy)
+    return torch.where(c.sampled, sampled, greedy)
 
 
 def process_talker_logits(logits: Tensor, seen: Tensor, penalty: Tensor, allow_eos: Tensor,
