@@ -24,8 +24,8 @@ from pathlib import Path
 from bench.loadgen import (
     add_common_args,
     config_from_args,
+    describe_server,
     point_line,
-    probe_server,
     run_loop,
     run_point,
     server_context,
@@ -108,10 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     with server_context(args) as srv:
 
         async def go():
-            info = await probe_server(args.url, args.api_key)
-            info.update(srv.info())
-            report["server"] = info
-            fpw = int((info.get("session") or {}).get("bench_frames_per_word") or 0)
+            report["server"], fpw = await describe_server(args, srv)
             while True:
                 rate = rates()
                 if rate is None:

@@ -212,6 +212,17 @@ class PointRun:
             return "warmup"
         return "measured" if offset < c.warmup + c.window else "cooldown"
 
+    async def arrive(self, offset: float) -> str | None:
+        """Wait for an arrival time; its phase, or None once arrivals stop (cooldown off, or every measured
+        request has ended)."""
+        ph = self.phase(offset)
+        if ph == "cooldown":
+            if not self.cfg.cooldown or await wait_event(self.all_measured_done, self.t_start + offset - now()):
+                return None
+        else:
+            await sleep_until(self.t_start + offset)
+        return ph
+
     @property
     def window_bounds(self) -> tuple[float, float]:
         a = self.t_start + self.cfg.warmup
@@ -494,12 +505,9 @@ class PointRun:
         prompts = PromptStream(c.seed, c.sentences())
         for i, off in enumerate(sched):
             text = prompts.next()
-            ph = self.phase(float(off))
-            if ph == "cooldown":
-                if not c.cooldown or await wait_event(self.all_measured_done, self.t_start + off - now()):
-                    break
-            else:
-                await sleep_until(self.t_start + off)
+            ph = await self.arrive(float(off))
+            if ph is None:
+                break
             rec = self.new_record(i, text, float(off), ph)
             if self.st.in_flight >= c.max_in_flight:
                 rec["status"], rec["error"] = "client_cap", f"{self.st.in_flight} requests in flight"
@@ -523,12 +531,9 @@ class PointRun:
                 plan.append({"text": " ".join(sents), "prompts": [PROMPT_INDEX.get(x) for x in sents],
                              "rate": float(g.uniform(*c.tokens_per_s)), "cancel": bool(g.random() < c.barge_in),
                              "frac": float(g.random()), "pause": float(g.uniform(*c.pause_s))})
-            ph = self.phase(float(off))
-            if ph == "cooldown":
-                if not c.cooldown or await wait_event(self.all_measured_done, self.t_start + off - now()):
-                    break
-            else:
-                await sleep_until(self.t_start + off)
+            ph = await self.arrive(float(off))
+            if ph is None:
+                break
             if self.st.users_active >= c.max_in_flight:
                 for turn, p in enumerate(plan):
                     rec = self.new_record(f"u{u}t{turn}", p["text"], float(off), ph, user=u, turn=turn,
@@ -576,6 +581,13 @@ async def run_point(cfg: PointConfig, frames_per_word: int = 0) -> dict:
     run = PointRun(cfg)
     run.frames_per_word = frames_per_word
     return await run.run()
+
+
+async def describe_server(args, srv) -> tuple[dict, int]:
+    """The report's `server` section (probe plus how it was started) and its benchmark frames per word."""
+    info = await probe_server(args.url, args.api_key)
+    info.update(srv.info())
+    return info, int((info.get("session") or {}).get("bench_frames_per_word") or 0)
 
 
 async def probe_server(url: str, api_key: str | None = None) -> dict:
@@ -709,10 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     with server_context(args) as srv:
 
         async def go():
-            info = await probe_server(args.url, args.api_key)
-            info.update(srv.info())
-            report["server"] = info
-            fpw = int((info.get("session") or {}).get("bench_frames_per_word") or 0)
+            report["server"], fpw = await describe_server(args, srv)
             for rps in args.rps:
                 p = await run_point(config_from_args(args, rps), fpw)
                 if baseline is not None:
