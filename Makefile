@@ -31,6 +31,8 @@ $(VENV)/.test-installed: $(VENV)/.installed
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq opus-tools chromium >/dev/null; fi
 	# playwright drives Debian's /usr/bin/chromium: never run `playwright install` (it downloads a browser).
 	$(PIP) -e '.[server,bench,test]' openai==3.57.0 playwright==1.65.2 httpx==0.28.1 matplotlib==3.11.2
+	# Triton kernels are checked on the CPU in its interpreter (TRITON_INTERPRET=1), the GPU image's version.
+	$(PIP) triton==3.6.0 hypothesis==6.170.17
 	# The official package is the parity oracle; its heavy audio deps are stubbed by tests/qwen_oracle.py.
 	$(PIP) transformers==4.57.3 einops==0.8.2 tiktoken==0.14.0
 	$(PIP) --no-deps qwen-tts==0.1.1
