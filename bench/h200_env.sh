@@ -1,0 +1,17 @@
+# Source this on the H200 device machine (no registry there): installs the server's wheels and libopus that the
+# call carried, so `python3 -m server serve` and bench/run_h200.sh run on the image's torch and triton.
+# Made here, once per checkout (both folders are git-ignored; name them in the call's carry list):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux1_x86_64 \
+#       --platform any -d .whl starlette uvicorn httptools websockets lameenc dashscope==2.0.2 sniffio
+#   pip wheel --no-deps -w .whl opuslib==3.0.1        # an sdist only: pure Python, so the wheel is portable
+#   (mkdir -p .deb && cd .deb && apt-get download libopus0)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || return 1
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+# libopus into a folder of its own (not /), registered with the loader's cache: opuslib finds it with
+# ctypes.util.find_library, which reads `ldconfig -p`.
+mkdir -p /tmp/deb && for f in .deb/*.deb; do dpkg -x "$f" /tmp/deb; done
+echo /tmp/deb/usr/lib/x86_64-linux-gnu >/etc/ld.so.conf.d/voicelane-opus.conf && ldconfig
+export VOICELANE_COMMIT=${VOICELANE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
+export PYTHONUNBUFFERED=1
