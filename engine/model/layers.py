@@ -3,10 +3,16 @@
 Numerics follow the official package so random-weight parity holds in fp32 and bf16: RMSNorm normalises in
 fp32 and casts back before the weight multiply; q/k get a per-head RMSNorm before RoPE; RoPE cos/sin are
 computed in fp32 and rounded to the activation dtype; softmax runs in fp32.
+
+At load time `prepare_inference()` (engine.model.checkpoint calls it on every module that has one) fuses each
+layer's q/k/v weights into one matrix and gate/up into another: one GEMM instead of three or two. The separate
+Linear weights become views into the fused matrix, so the checkpoint names, the state_dict and later weight
+loads stay exactly as they were.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model.config import DecoderStackConfig
+
+log = logging.getLogger("voicelane.layers")
 
 
 class RMSNorm(nn.Module):
@@ -59,6 +67,44 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     """NeoX RoPE, x * cos + rotate_half(x) * sin, bit for bit: rotate_half(x) * sin = roll(x) * signed_sin.
     x [B, H, T, D]; cos, sin_signed [B, T, D]."""
     return x * cos[:, None] + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed[:, None]
+
+
+class FusedRows:
+    """The weights of several bias-free nn.Linear over one input, stacked by output row into one matrix; each
+    Linear's weight becomes a view of its rows. `weight` [sum of out_features, in_features]."""
+
+    def __init__(self, *linears: nn.Linear):
+        self.linears = linears
+        self.sizes = [lin.weight.shape[0] for lin in linears]
+        self._fuse()
+
+    def _fuse(self) -> None:
+        with torch.no_grad():
+            self.weight = torch.cat([lin.weight for lin in self.linears])
+            for lin, part in zip(self.linears, self.weight.split(self.sizes), strict=True):
+                lin.weight = nn.Parameter(part, requires_grad=lin.weight.requires_grad)
+
+    def intact(self) -> bool:
+        """False once a Linear's weight no longer lives in the fused matrix (after a .to() or a new Parameter)."""
+        start, row_bytes = self.weight.data_ptr(), self.weight.stride(0) * self.weight.element_size()
+        for lin, rows in zip(self.linears, self.sizes, strict=True):
+            if lin.weight.data_ptr() != start:
+                return False
+            start += rows * row_bytes
+        return True
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
+        """x [..., in] -> one output per Linear, views of a single GEMM's result."""
+        if not self.intact():
+            # A stale fused matrix would silently compute with old weights: fuse the current ones again.
+            log.warning("fused weights were replaced after prepare_inference(); fusing them again")
+            self._fuse()
+        return F.linear(x, self.weight).split(self.sizes, dim=-1)
+
+
+def fused_or_separate(fused: FusedRows | None, linears: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, ...]:
+    """One GEMM once prepare_inference() ran; the separate Linears before (a module used for training or tests)."""
+    return fused(x) if fused is not None else tuple(lin(x) for lin in linears)
 
 
 @dataclass
@@ -115,13 +161,22 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qkv: FusedRows | None = None
+
+    def prepare_inference(self) -> None:
+        self.qkv = FusedRows(self.q_proj, self.k_proj, self.v_proj)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, hidden] -> q [B, T, H * D], k and v [B, T, Hkv * D] (views of one GEMM once prepared)."""
+        return fused_or_separate(self.qkv, (self.q_proj, self.k_proj, self.v_proj), x)
 
     def forward(self, x: Tensor, batch: AttentionBatch, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         """x [B, T, hidden]; k_cache, v_cache [slots, kv_heads, max_len, head_dim] of this layer."""
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
+        q = self.q_norm(q.view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, batch.cos, batch.sin_signed), apply_rope(k, batch.cos, batch.sin_signed)  # [B,H,T,D]
 
         rows = batch.slots[:, None]  # [B, 1] broadcast against positions [B, T]
@@ -154,9 +209,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up: FusedRows | None = None
+
+    def prepare_inference(self) -> None:
+        self.gate_up = FusedRows(self.gate_proj, self.up_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = fused_or_separate(self.gate_up, (self.gate_proj, self.up_proj), x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
