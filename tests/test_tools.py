@@ -60,3 +60,7 @@ def test_profile_stages_times_and_counts_every_stage(tmp_path):
     assert all(r["ms"] > 0 and r["kernels"] > 0 for r in rows)
     longer = {r["batch"]: r["kernels"] for r in rows if r["stage"] == "prefill" and r["prompt_len"] == 40}
     assert all(k > 50 for k in longer.values())  # a real forward ran (a failed row raises instead)
+    for r in rows:  # the per-name breakdown: the costliest first, its counts within the call's total
+        top = r["top_kernels"]
+        assert top and [k["total_us"] for k in top] == sorted((k["total_us"] for k in top), reverse=True)
+        assert sum(k["count"] for k in top) <= r["kernels"] and all(k["name"].startswith("aten::") for k in top)

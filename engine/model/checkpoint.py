@@ -105,6 +105,21 @@ def _materialise(factory, device, dtype) -> nn.Module:
     return module.eval()
 
 
+def prepare_inference(*modules: nn.Module) -> int:
+    """Load-time weight preparation (fused projections, precomputed tables): calls prepare_inference() on every
+    submodule that defines one, once the weights are final. The tensors on disk and the state_dict keep their
+    layout. Returns how many modules prepared themselves."""
+    prepared = 0
+    with torch.no_grad():
+        for module in modules:
+            for sub in module.modules():
+                hook = getattr(sub, "prepare_inference", None)
+                if callable(hook):
+                    hook()
+                    prepared += 1
+    return prepared
+
+
 def load_checkpoint(directory: str | Path, device="cpu", dtype=torch.float32) -> LoadedModel:
     directory = Path(directory)
     cfg = ModelConfig.from_dir(directory)
@@ -118,6 +133,7 @@ def load_checkpoint(directory: str | Path, device="cpu", dtype=torch.float32) ->
     load_weights(tts, _weight_files(directory), where=str(directory))
     codec = _materialise(lambda: CodecDecoder(codec_cfg), device, dtype)
     load_weights(codec, _weight_files(codec_dir), CODEC_PREFIX, where=str(codec_dir))
+    prepare_inference(tts, codec)
     has_tokenizer = (directory / "tokenizer.json").is_file() or (directory / "vocab.json").is_file()
     return LoadedModel(cfg, codec_cfg, tts, codec, directory if has_tokenizer else None, str(directory), False)
 
@@ -136,9 +152,14 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> Iterator
         yield shard
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
 def save_weights(tensors: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int | None = None) -> None:
     """model.safetensors, or model-0000N-of-0000M.safetensors + index when the weights pass max_shard_bytes."""
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    # A weight that prepare_inference() turned into a view of a fused matrix is written as its own tensor.
+    tensors = {k: _own_storage(v.detach().contiguous().cpu()) for k, v in tensors.items()}
     shards = list(_shards(tensors, max_shard_bytes))
     meta = {"format": "pt"}
     if len(shards) == 1:

@@ -3,17 +3,30 @@
 Numerics follow the official package so random-weight parity holds in fp32 and bf16: RMSNorm normalises in
 fp32 and casts back before the weight multiply; q/k get a per-head RMSNorm before RoPE; RoPE cos/sin are
 computed in fp32 and rounded to the activation dtype; softmax runs in fp32.
+
+At load time `prepare_inference()` (engine.model.checkpoint calls it on every module that has one) fuses each
+layer's q/k/v weights into one matrix and gate/up into another: one GEMM instead of three or two. The separate
+Linear weights become views into the fused matrix, so the checkpoint names, the state_dict and later weight
+loads stay exactly as they were.
+
+Where `engine.kernels.use_triton` says so (CUDA by default), the same arithmetic runs in fused Triton kernels:
+residual add + RMSNorm, SwiGLU, q/k-norm + RoPE + cache write, and attention read in place from the cache
+(engine/kernels/); the PyTorch code below stays the reference and the CPU path.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine import kernels
 from engine.model.config import DecoderStackConfig
+
+log = logging.getLogger("voicelane.layers")
 
 
 class RMSNorm(nn.Module):
@@ -61,6 +74,53 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     return x * cos[:, None] + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed[:, None]
 
 
+class FusedRows:
+    """The weights of several bias-free nn.Linear over one input, stacked by output row into one matrix; each
+    Linear's weight becomes a view of its rows. `weight` [sum of out_features, in_features]."""
+
+    def __init__(self, *linears: nn.Linear):
+        self.linears = linears
+        self.sizes = [lin.weight.shape[0] for lin in linears]
+        self._fuse()
+
+    def _fuse(self) -> None:
+        with torch.no_grad():
+            self.weight = torch.cat([lin.weight for lin in self.linears])
+            for lin, part in zip(self.linears, self.weight.split(self.sizes), strict=True):
+                lin.weight = nn.Parameter(part, requires_grad=lin.weight.requires_grad)
+
+    def intact(self) -> bool:
+        """False once a Linear's weight no longer lives in the fused matrix (after a .to() or a new Parameter)."""
+        start, row_bytes = self.weight.data_ptr(), self.weight.stride(0) * self.weight.element_size()
+        for lin, rows in zip(self.linears, self.sizes, strict=True):
+            if lin.weight.data_ptr() != start:
+                return False
+            start += rows * row_bytes
+        return True
+
+    def project(self, x: Tensor) -> Tensor:
+        """x [..., in] -> [..., sum of out_features]: every Linear's output side by side, from one GEMM."""
+        if not self.intact():
+            # A stale fused matrix would silently compute with old weights: fuse the current ones again.
+            log.warning("fused weights were replaced after prepare_inference(); fusing them again")
+            self._fuse()
+        return F.linear(x, self.weight)
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
+        """x [..., in] -> one output per Linear, views of the single GEMM's result."""
+        return self.project(x).split(self.sizes, dim=-1)
+
+
+def fused_or_separate(fused: FusedRows | None, linears: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, ...]:
+    """One GEMM once prepare_inference() ran; the separate Linears before (a module used for training or tests)."""
+    return fused(x) if fused is not None else tuple(lin(x) for lin in linears)
+
+
+def side_by_side(fused: FusedRows | None, linears: tuple[nn.Linear, ...], x: Tensor) -> Tensor:
+    """Like fused_or_separate, the outputs concatenated on the last dimension (what the fused kernels read)."""
+    return fused.project(x) if fused is not None else torch.cat([lin(x) for lin in linears], dim=-1)
+
+
 @dataclass
 class KVCache:
     """Keys and values of every layer for a set of cache rows ("slots"), preallocated at a fixed length."""
@@ -91,6 +151,7 @@ class AttentionBatch:
     blocked: Tensor  # [B, 1, T, S] bool, True where a new token may NOT attend cache column s < S
     cos: Tensor  # [B, T, head_dim], activation dtype
     sin_signed: Tensor  # [B, T, head_dim], signed_sin of the sine table
+    valid_len: Tensor | None = None  # [B] int64: columns a row wrote (right-padded prefill), None: all of them
 
     @classmethod
     def build(cls, cfg: DecoderStackConfig, slots: Tensor, positions: Tensor, kv_len: int, dtype,
@@ -102,7 +163,8 @@ class AttentionBatch:
         if valid_len is not None:
             mask = mask & (cols[None, None, :] < valid_len[:, None, None])
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
-        return cls(slots=slots, positions=positions, blocked=~mask[:, None], cos=cos, sin_signed=signed_sin(sin))
+        return cls(slots=slots, positions=positions, blocked=~mask[:, None], cos=cos, sin_signed=signed_sin(sin),
+                   valid_len=valid_len)
 
 
 class Attention(nn.Module):
@@ -115,13 +177,29 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qkv: FusedRows | None = None
+
+    def prepare_inference(self) -> None:
+        self.qkv = FusedRows(self.q_proj, self.k_proj, self.v_proj)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, hidden] -> q [B, T, H * D], k and v [B, T, Hkv * D] (views of one GEMM once prepared)."""
+        return fused_or_separate(self.qkv, (self.q_proj, self.k_proj, self.v_proj), x)
 
     def forward(self, x: Tensor, batch: AttentionBatch, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         """x [B, T, hidden]; k_cache, v_cache [slots, kv_heads, max_len, head_dim] of this layer."""
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
+        if kernels.use_triton(x.device):
+            from engine.kernels import attention as fused
+
+            q = fused.qk_norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, batch.cos,
+                                         batch.sin_signed, k_cache, v_cache, batch.slots, batch.positions)
+            out = fused.cache_attention(q, k_cache, v_cache, batch.slots, batch.positions, batch.valid_len)
+            return self.o_proj(out.view(B, T, -1))  # [B, T, H, D] -> [B, T, H * D]
+        q = self.q_norm(q.view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, batch.cos, batch.sin_signed), apply_rope(k, batch.cos, batch.sin_signed)  # [B,H,T,D]
 
         rows = batch.slots[:, None]  # [B, 1] broadcast against positions [B, T]
@@ -154,9 +232,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up: FusedRows | None = None
+
+    def prepare_inference(self) -> None:
+        self.gate_up = FusedRows(self.gate_proj, self.up_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if kernels.use_triton(x.device):
+            from engine.kernels.norm import swiglu
+
+            return self.down_proj(swiglu(side_by_side(self.gate_up, (self.gate_proj, self.up_proj), x)))
+        gate, up = fused_or_separate(self.gate_up, (self.gate_proj, self.up_proj), x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -183,6 +270,22 @@ class DecoderStack(nn.Module):
 
     def run(self, x: Tensor, batch: AttentionBatch, cache: KVCache) -> Tensor:
         """x [B, T, hidden] -> final-norm hidden states [B, T, hidden]."""
+        if kernels.use_triton(x.device):
+            return self._run_fused_norms(x, batch, cache)
         for i, layer in enumerate(self.layers):
             x = layer(x, batch, cache.k[i], cache.v[i])
         return self.norm(x)
+
+    def _run_fused_norms(self, x: Tensor, batch: AttentionBatch, cache: KVCache) -> Tensor:
+        """run() with each residual add folded into the RMSNorm after it (the final norm included): the same
+        sums and norms as DecoderLayer.forward, in one kernel each."""
+        from engine.kernels.norm import add_rms_norm
+
+        eps = self.norm.eps
+        residual, h = add_rms_norm(x, None, self.layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn(h, batch, cache.k[i], cache.v[i])
+            residual, h = add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, eps)
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            residual, h = add_rms_norm(layer.mlp(h), residual, after.weight, eps)
+        return h

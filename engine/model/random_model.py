@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.checkpoint import CODEC_PREFIX, LoadedModel, save_weights
+from engine.model.checkpoint import CODEC_PREFIX, LoadedModel, prepare_inference, save_weights
 from engine.model.codec import CodecConfig, CodecDecoder, randomize_codec_
 from engine.model.config import ModelConfig
 from engine.model.presets import GENERATION_CONFIG, PREPROCESSOR_CONFIG, SIZES, codec_config, model_config
@@ -19,8 +19,9 @@ log = logging.getLogger("voicelane.random_model")
 
 
 def build_random_model(size: str, device="cpu", dtype=torch.float32, seed: int = 0,
-                       tokenizer_dir: Path | None = None) -> LoadedModel:
-    """A model of the published geometry with seeded random weights, built directly on `device`."""
+                       tokenizer_dir: Path | None = None, prepare: bool = True) -> LoadedModel:
+    """A model of the published geometry with seeded random weights, built directly on `device`; `prepare`: run
+    the load-time weight preparation (engine.model.checkpoint.prepare_inference), as a loaded checkpoint does."""
     if size not in SIZES:
         raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(SIZES)}")
     cfg = ModelConfig.from_dict(model_config(size), dict(GENERATION_CONFIG), where=f"random:{size}")
@@ -32,6 +33,8 @@ def build_random_model(size: str, device="cpu", dtype=torch.float32, seed: int =
     randomize_codec_(codec, seed + 1)
     tts.to(dtype).eval()
     codec.to(dtype).eval()
+    if prepare:
+        prepare_inference(tts, codec)
     return LoadedModel(cfg, codec_cfg, tts, codec, tokenizer_dir, f"random:{size}", True)
 
 
@@ -40,7 +43,7 @@ def write_checkpoint(out: Path, size: str, seed: int = 0, dtype=torch.float32,
     """Write a random-weight checkpoint directory in the published layout (loadable by qwen-tts too)."""
     out = Path(out)
     (out / "speech_tokenizer").mkdir(parents=True, exist_ok=True)
-    model = build_random_model(size, "cpu", dtype, seed)
+    model = build_random_model(size, "cpu", dtype, seed, prepare=False)
     (out / "config.json").write_text(json.dumps(model_config(size), indent=2))
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
     save_weights(model.tts.state_dict(), out, max_shard_bytes)

@@ -1,5 +1,6 @@
 """Time each engine stage alone (prefill, Talker step, Code Predictor loop, codec chunk) per batch size, with and
-without CUDA graphs, and count the device kernels (or, on a CPU, the operators) one call runs.
+without CUDA graphs, and break one call down by device kernel (or, on a CPU, by operator): name, count, total and
+mean time, the 15 costliest names per stage, printed and saved in the JSON ("top_kernels").
 
     python -m engine.tools.profile_stages --model random:1.7b --device cuda --batches 1 8 32 \
         --prompt-lens 16 64 --chunks 1 4 12 --out stages.json
@@ -41,15 +42,37 @@ def _no_host_sync(device: torch.device):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _kernels(fn, device: torch.device) -> int:
-    """Device kernels (CUDA) or operators (CPU) one call of fn runs."""
-    activity = torch.profiler.ProfilerActivity.CUDA if device.type == "cuda" else torch.profiler.ProfilerActivity.CPU
+def kernel_breakdown(fn, device: torch.device, top: int = 15) -> dict:
+    """Profile one call of fn: the device kernels it runs (CUDA, graph replays included) or, on a CPU, its
+    top-level operators, grouped by name: {"count", "total_us", "top": [{name, count, total_us, mean_us}]},
+    the `top` names with the most time first."""
+    cuda = device.type == "cuda"
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
     with torch.profiler.profile(activities=[activity]) as prof:
         fn()
-    events = prof.events()
-    if device.type == "cuda":
-        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    return sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:
+        timed = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        timed = [(e.name, e.cpu_time_total) for e in prof.events()
+                 if e.name.startswith("aten::") and e.cpu_parent is None]
+    by_name: dict[str, list[float]] = {}
+    for name, us in timed:
+        by_name.setdefault(name, []).append(us)
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"count": len(timed), "total_us": round(sum(us for _, us in timed), 1),
+            "top": [{"name": name[:200], "count": len(us), "total_us": round(sum(us), 1),
+                     "mean_us": round(sum(us) / len(us), 2)} for name, us in ranked]}
+
+
+def format_breakdown(title: str, breakdown: dict) -> str:
+    lines = [f"{title}: {breakdown['count']} kernels, {breakdown['total_us']:.1f} us",
+             f"  {'count':>6} {'total us':>10} {'mean us':>9}  name"]
+    for k in breakdown["top"]:
+        lines.append(f"  {k['count']:>6} {k['total_us']:>10.1f} {k['mean_us']:>9.2f}  {k['name'][:110]}")
+    return "\n".join(lines)
 
 
 def _time(fn, repeat: int) -> float:
@@ -109,8 +132,10 @@ def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chu
         fn()
         p.check_syncs = True
         ms = _time(fn, repeat)
+        breakdown = kernel_breakdown(fn, loaded.device)
         rows.append({"stage": stage, "batch": batch, **extra, "graphs": graphs, "ms": round(ms, 3),
-                     "kernels": _kernels(fn, loaded.device)})
+                     "kernels": breakdown["count"], "kernel_us": breakdown["total_us"],
+                     "top_kernels": breakdown["top"]})
 
     for b in batches:
         for n in prompt_lens:
@@ -148,10 +173,15 @@ def main(argv: list[str] | None = None) -> None:
             except GraphCaptureError as exc:
                 failures[mode] = str(exc)
                 print(f"graphs {mode}: capture FAILED, not measured: {exc}")
-    print(f"{'stage':<15} {'batch':>5} {'extra':>8} {'graphs':>7} {'ms':>9} {'kernels':>8}")
     for r in rows:
         extra = r.get("prompt_len", r.get("chunk", ""))
-        print(f"{r['stage']:<15} {r['batch']:>5} {extra!s:>8} {r['graphs']:>7} {r['ms']:>9.3f} {r['kernels']:>8}")
+        print(format_breakdown(f"\n{r['stage']} B{r['batch']} {extra} graphs {r['graphs']}",
+                               {"count": r["kernels"], "total_us": r["kernel_us"], "top": r["top_kernels"]}))
+    print(f"\n{'stage':<15} {'batch':>5} {'extra':>8} {'graphs':>7} {'ms':>9} {'kernels':>8} {'kernel ms':>10}")
+    for r in rows:
+        extra = r.get("prompt_len", r.get("chunk", ""))
+        print(f"{r['stage']:<15} {r['batch']:>5} {extra!s:>8} {r['graphs']:>7} {r['ms']:>9.3f} {r['kernels']:>8} "
+              f"{r['kernel_us'] / 1e3:>10.3f}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"model": a.model, "device": str(device), "dtype": str(dtype), "torch": torch.__version__,

@@ -1,0 +1,114 @@
+"""Triton kernels for the language model's hot path, and the switch that decides where they run.
+
+Each kernel module (norm, attention) holds the kernels, their launch wrappers and a plain PyTorch reference
+beside each one. The model code asks `use_triton(device)` per call:
+
+- CUDA: the Triton kernels. If triton cannot be imported, the PyTorch path runs instead; that is logged as an
+  error once and `kernels_status()` says so (for /ready), never silently.
+- CPU: the PyTorch path (CI needs neither a GPU nor a compiler), unless forced: VOICELANE_KERNELS=triton (or
+  `set_backend("triton")`) runs the Triton kernels through triton's interpreter, which needs TRITON_INTERPRET=1
+  in the environment before the kernel modules are first imported (tests compare whole-model outputs this way).
+- VOICELANE_KERNELS=torch forces the PyTorch path everywhere (a GPU baseline).
+
+The kernel modules are imported on first use only, so importing the model never imports triton.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+
+log = logging.getLogger("voicelane.kernels")
+
+ENV = "VOICELANE_KERNELS"
+CHOICES = ("auto", "triton", "torch")
+
+
+class KernelsUnavailable(RuntimeError):
+    """The Triton path was forced where it cannot run (no triton, or a CPU without TRITON_INTERPRET=1)."""
+
+
+_override: str | None = None
+_triton_error: str | None = None
+_triton_checked = False
+_logged_fallback = False
+
+
+def _triton_import_error() -> str | None:
+    """None when triton imports, else why not (checked once)."""
+    global _triton_checked, _triton_error
+    if not _triton_checked:
+        _triton_checked = True
+        try:
+            import triton  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - any import failure means no Triton path, reported
+            _triton_error = f"{type(exc).__name__}: {exc}"
+    return _triton_error
+
+
+def choice() -> str:
+    value = _override if _override is not None else os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV}={value!r}: choose one of {', '.join(CHOICES)}")
+    return value
+
+
+def set_backend(value: str | None) -> None:
+    """Override VOICELANE_KERNELS for this process ("auto", "triton", "torch"; None: back to the environment)."""
+    global _override
+    if value is not None and value not in CHOICES:
+        raise ValueError(f"kernel backend {value!r}: choose one of {', '.join(CHOICES)}")
+    _override = value
+
+
+@contextlib.contextmanager
+def backend(value: str) -> Iterator[None]:
+    """set_backend for the duration of a with-block (tests compare both paths in one process)."""
+    before = _override
+    set_backend(value)
+    try:
+        yield
+    finally:
+        set_backend(before)
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether the model's kernels on `device` are the Triton ones (see the module docstring)."""
+    global _logged_fallback
+    wanted = choice()
+    if wanted == "torch":
+        return False
+    if wanted == "triton":
+        error = _triton_import_error()
+        if error is not None:
+            raise KernelsUnavailable(f"{ENV}=triton but triton does not import: {error}")
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise KernelsUnavailable(f"{ENV}=triton on the CPU needs TRITON_INTERPRET=1 (set before the kernels "
+                                     "are first imported)")
+        return True
+    if device.type != "cuda":
+        return False
+    if _triton_import_error() is not None:
+        if not _logged_fallback:
+            _logged_fallback = True
+            log.error("triton does not import (%s): the model runs its unfused PyTorch kernels (slow)", _triton_error)
+        return False
+    return True
+
+
+def kernels_status() -> dict:
+    """For readiness and benchmark records: which kernels a CUDA device runs, and why."""
+    error = _triton_import_error()
+    version = None
+    if error is None:
+        import triton
+
+        version = triton.__version__
+    wanted = choice()
+    cuda = "torch" if wanted == "torch" or error is not None else "triton"
+    return {"cuda_kernels": cuda, "choice": wanted, "triton": version, "triton_error": error,
+            "interpret": os.environ.get("TRITON_INTERPRET", "0") == "1"}

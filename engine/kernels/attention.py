@@ -1,0 +1,246 @@
+"""Attention over the slot KV cache, read in place: one kernel for the Talker's decode step, the Code Predictor's
+16-position frames and the prefill.
+
+Two launches per layer:
+- `qk_norm_rope_store`: per-head RMSNorm of q and k, RoPE on both, k and v written into the cache at each
+  token's (slot, position); q comes back normed and rotated. Rounding follows engine/model/layers.py op by op.
+- `cache_attention`: each query attends its own cache row's columns 0..position (and below the row's valid
+  length in a right-padded prefill), straight from the cache: no gathered copy of keys or values, no mask
+  tensor, no work for columns past a row's own length (so a batch costs what its rows hold, not its bucket).
+  The G query heads of a kv head share one program and one read of each key block (GQA); scores and the
+  online softmax are fp32, probabilities are rounded to the activation dtype before the value product.
+
+Fixed shapes, no host synchronisation, loop lengths read on the device: both are CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from engine.model.layers import apply_rope, attention
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, kc_ptr, vc_ptr,
+                               slots_ptr, pos_ptr, T, H, eps,
+                               s_qb, s_qt, s_kb, s_kt, s_vb, s_vt, s_cb, s_ct, s_sb, s_st, s_ob, s_ot,
+                               s_cs, s_ch, s_cl, s_pb, s_pt,
+                               HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    bt = tl.program_id(0)
+    head = tl.program_id(1)  # 0..H-1: a query head; H..H+Hkv-1: a key/value head
+    b = bt // T
+    t = bt % T
+    d = tl.arange(0, BLOCK_HALF)
+    dm = d < HALF
+    D = 2 * HALF
+    cos1 = tl.load(cos_ptr + b * s_cb + t * s_ct + d, mask=dm, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + b * s_cb + t * s_ct + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + b * s_sb + t * s_st + d, mask=dm, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + b * s_sb + t * s_st + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    is_q = head < H
+    if is_q:
+        src = q_ptr + b * s_qb + t * s_qt + head * D
+        w_ptr = qw_ptr
+    else:
+        src = k_ptr + b * s_kb + t * s_kt + (head - H) * D
+        w_ptr = kw_ptr
+    x1 = tl.load(src + d, mask=dm, other=0.0)
+    x2 = tl.load(src + HALF + d, mask=dm, other=0.0)
+    dtype = x1.dtype
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
+    w1 = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    y1 = (w1 * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    y2 = (w2 * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    # NeoX RoPE as the PyTorch path rounds it: x * cos + roll(x, D/2) * signed_sin, each product rounded.
+    o1 = ((y1 * cos1).to(dtype).to(tl.float32) + (y2 * sin1).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((y2 * cos2).to(dtype).to(tl.float32) + (y1 * sin2).to(dtype).to(tl.float32)).to(dtype)
+    if is_q:
+        dst = q_out_ptr + b * s_ob + t * s_ot + head * D
+        tl.store(dst + d, o1, mask=dm)
+        tl.store(dst + HALF + d, o2, mask=dm)
+    else:
+        kvh = head - H
+        slot = tl.load(slots_ptr + b)
+        pos = tl.load(pos_ptr + b * s_pb + t * s_pt)
+        at = slot * s_cs + kvh * s_ch + pos * s_cl
+        tl.store(kc_ptr + at + d, o1, mask=dm)
+        tl.store(kc_ptr + at + HALF + d, o2, mask=dm)
+        vsrc = v_ptr + b * s_vb + t * s_vt + kvh * D
+        tl.store(vc_ptr + at + d, tl.load(vsrc + d, mask=dm, other=0.0), mask=dm)
+        tl.store(vc_ptr + at + HALF + d, tl.load(vsrc + HALF + d, mask=dm, other=0.0), mask=dm)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_cache(k_cache: Tensor, v_cache: Tensor, head_dim: int) -> None:
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k/v caches differ: {tuple(k_cache.shape)} {k_cache.stride()} vs "
+                         f"{tuple(v_cache.shape)} {v_cache.stride()}")
+    if k_cache.dim() != 4 or k_cache.shape[-1] != head_dim or k_cache.stride(-1) != 1:
+        raise ValueError(f"cache of one layer must be [slots, kv_heads, max_len, {head_dim}] with unit last stride, "
+                         f"got {tuple(k_cache.shape)} strides {k_cache.stride()}")
+
+
+def qk_norm_rope_store(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos: Tensor,
+                       sin_signed: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+                       positions: Tensor) -> Tensor:
+    """q [B, T, H * D], k and v [B, T, Hkv * D] (views of the fused projection are fine: unit last stride);
+    q_weight, k_weight [D]; cos, sin_signed [B, T, D]; k_cache, v_cache [S, Hkv, L, D] of one layer;
+    slots [B]; positions [B, T]. Writes rotated k and v at cache[slots[b], :, positions[b, t]] and returns the
+    normed, rotated q [B, T, H, D] (contiguous)."""
+    B, T, HD = q.shape
+    D = cos.shape[-1]
+    H, Hkv = HD // D, k.shape[-1] // D
+    _check_cache(k_cache, v_cache, D)
+    if D % 2 or k_cache.shape[1] != Hkv or v.shape[-1] != k.shape[-1]:
+        raise ValueError(f"qk_norm_rope_store: head_dim {D}, q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, cache {tuple(k_cache.shape)} do not fit together")
+    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin_signed)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"qk_norm_rope_store: {name} needs a unit last stride, got {t.stride()}")
+    q_out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
+    half = D // 2
+    _qk_norm_rope_store_kernel[(B * T, H + Hkv)](
+        q, k, v, q_weight, k_weight, cos, sin_signed, q_out, k_cache, v_cache, slots, positions, T, H, eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), cos.stride(1), sin_signed.stride(0), sin_signed.stride(1), q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), positions.stride(0), positions.stride(1),
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), num_warps=1)
+    return q_out
+
+
+def qk_norm_rope_store_reference(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
+                                 cos: Tensor, sin_signed: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+                                 positions: Tensor) -> Tensor:
+    """The PyTorch path of engine.model.layers.Attention, same arguments and result as qk_norm_rope_store."""
+    B, T, _ = q.shape
+    D = cos.shape[-1]
+
+    def norm_rope(x: Tensor, weight: Tensor) -> Tensor:  # [B, T, n * D] -> [B, n, T, D]
+        x = weight * F.rms_norm(x.reshape(B, T, -1, D), (D,), eps=eps)
+        return apply_rope(x.transpose(1, 2), cos, sin_signed)
+
+    qr, kr = norm_rope(q, q_weight), norm_rope(k, k_weight)
+    rows = slots[:, None]
+    k_cache[rows, :, positions] = kr.transpose(1, 2)
+    v_cache[rows, :, positions] = v.reshape(B, T, -1, D)
+    return qr.transpose(1, 2).contiguous()
+
+
+@triton.jit
+def _attend_block(q, kc_ptr, vc_ptr, base, start, end, limit, s_cl, scale, m_i, l_i, acc,
+                  D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One block of cache columns [start, start + BLOCK_N) folded into the online softmax of every row."""
+    d = tl.arange(0, D)
+    cols = start + tl.arange(0, BLOCK_N)
+    col_ok = cols < end
+    k = tl.load(kc_ptr + base + cols[:, None] * s_cl + d[None, :], mask=col_ok[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(cols[None, :] < limit[:, None], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing to read (padding) stay at 0
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(vc_ptr + base + cols[:, None] * s_cl + d[None, :], mask=col_ok[:, None], other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _cache_attention_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, slots_ptr, pos_ptr, valid_ptr, T, scale,
+                            s_qb, s_qt, s_qh, s_ob, s_ot, s_oh, s_cs, s_ch, s_cl, s_pb, s_pt,
+                            G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            HAS_VALID: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    # Rows of this program: (query position t, query head g of this kv head), flattened as t * G + g.
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < T * G
+    t = rows // G
+    head = kvh * G + rows % G
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * s_qb + t[:, None] * s_qt + head[:, None] * s_qh + d[None, :], mask=row_ok[:, None],
+                other=0.0)
+    limit = tl.load(pos_ptr + b * s_pb + t * s_pt, mask=row_ok, other=-1) + 1  # columns each row may read
+    if HAS_VALID:
+        limit = tl.minimum(limit, tl.load(valid_ptr + b))
+    limit = tl.where(row_ok, limit, 0)
+    end = tl.max(limit, axis=0)
+    base = tl.load(slots_ptr + b) * s_cs + kvh * s_ch
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if INTERPRET:
+        # triton 3.6's interpreter cannot take a device scalar as a range() bound (numpy >= 2): same blocks.
+        start = 0
+        while start < end:
+            m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, base, start, end, limit, s_cl, scale, m_i, l_i, acc,
+                                          D, BLOCK_N, IEEE)
+            start += BLOCK_N
+    else:
+        for start in range(0, end, BLOCK_N):
+            m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, base, start, end, limit, s_cl, scale, m_i, l_i, acc,
+                                          D, BLOCK_N, IEEE)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + b * s_ob + t[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor,
+                    valid_len: Tensor | None = None) -> Tensor:
+    """Causal grouped-query attention read in place from the cache.
+
+    q [B, T, H, D] (normed, rotated); k_cache, v_cache [S, Hkv, L, D] of one layer, this call's keys and values
+    already written; slots [B] int64; positions [B, T] int64: query t of row b attends columns
+    0..positions[b, t] of cache row slots[b]; valid_len [B] (optional): and only columns < valid_len[b].
+    Returns [B, T, H, D] in q's dtype. Every row must attend at least one column (positions >= 0, valid_len >= 1).
+    """
+    B, T, H, D = q.shape
+    _check_cache(k_cache, v_cache, D)
+    Hkv = k_cache.shape[1]
+    if H % Hkv or D & (D - 1) or D < 16 or q.stride(-1) != 1:
+        raise ValueError(f"cache_attention: q {tuple(q.shape)} strides {q.stride()} with {Hkv} kv heads "
+                         "(need H a multiple of kv heads, head_dim a power of two >= 16, unit last stride)")
+    G = H // Hkv
+    out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
+    rows = T * G
+    BLOCK_M = max(16, min(64, triton.next_power_of_2(rows)))
+    BLOCK_N = max(16, min(64, triton.next_power_of_2(k_cache.shape[2])))
+    grid = (B, Hkv, triton.cdiv(rows, BLOCK_M))
+    _cache_attention_kernel[grid](
+        q, k_cache, v_cache, out, slots, positions, valid_len if valid_len is not None else slots, T, D**-0.5,
+        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), positions.stride(0), positions.stride(1),
+        G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_VALID=valid_len is not None,
+        IEEE=q.dtype == torch.float32, INTERPRET=_interpreting(), num_warps=4)
+    return out
+
+
+def cache_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor,
+                              valid_len: Tensor | None = None) -> Tensor:
+    """The PyTorch path (gathered keys and values, a mask, engine.model.layers.attention); same contract."""
+    S = int(positions.max()) + 1
+    cols = torch.arange(S, device=q.device)
+    allowed = cols[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    if valid_len is not None:
+        allowed = allowed & (cols[None, None, :] < valid_len[:, None, None])
+    out = attention(q.transpose(1, 2), k_cache[slots, :, :S], v_cache[slots, :, :S], ~allowed[:, None])
+    return out.transpose(1, 2)

@@ -1,0 +1,171 @@
+"""Each Triton kernel against its plain PyTorch reference, run on the CPU by triton's interpreter: random shapes
+and the edges (length 1, a full cache bucket, padded rows, right-padded prefill, views of a fused projection)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are imported (they import lazily)
+pytest.importorskip("triton")
+if os.environ["TRITON_INTERPRET"] != "1":
+    pytest.skip("the kernel tests need TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
+
+from engine.kernels import attention as ka  # noqa: E402
+from engine.kernels import norm  # noqa: E402
+from engine.model.layers import rope_cos_sin, signed_sin  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16]  # the interpreter's bfloat16 is not rounded like the GPU's: GPU script
+
+
+def _close(got, want, dtype):
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 5, 48), (2, 7, 1000)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_matches_reference(dtype, shape, with_residual):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g).to(dtype)
+    residual = torch.randn(shape, generator=g).to(dtype) if with_residual else None
+    weight = torch.randn(shape[-1], generator=g).to(dtype)
+    h, out = norm.add_rms_norm(x, residual, weight, 1e-6)
+    h_ref, out_ref = norm.add_rms_norm_reference(x, residual, weight, 1e-6)
+    assert h.shape == out.shape == x.shape and out.dtype == dtype
+    assert torch.equal(h, h_ref)  # the sum is one rounding in both
+    _close(out, out_ref, dtype)
+
+
+def test_add_rms_norm_refuses_mixed_dtypes():
+    x = torch.randn(2, 8)
+    with pytest.raises(TypeError, match="share one dtype"):
+        norm.add_rms_norm(x, None, torch.ones(8, dtype=torch.float16), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 2 * 16), (4, 3, 2 * 96), (2, 1, 2 * 1100)])  # 1100: two column blocks
+def test_swiglu_matches_reference(dtype, shape):
+    gate_up = (3 * torch.randn(shape, generator=torch.Generator().manual_seed(shape[-1]))).to(dtype)
+    out = norm.swiglu(gate_up)
+    assert out.shape == (*shape[:-1], shape[-1] // 2)
+    _close(out, norm.swiglu_reference(gate_up), dtype)
+
+
+def test_swiglu_refuses_an_odd_width():
+    with pytest.raises(ValueError, match="equal width"):
+        norm.swiglu(torch.randn(2, 7))
+
+
+def _layer_inputs(g, B, T, H, Hkv, D, dtype, positions):
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)  # views with the fused projection's strides
+    weights = [(1 + 0.3 * torch.randn(D, generator=g)).to(dtype) for _ in range(2)]
+    cos, sin = rope_cos_sin(positions, D, 1e6, dtype)
+    return q, k, v, weights, cos, signed_sin(sin)
+
+
+CASES = [  # B, T, H, Hkv, D, slots in the cache, cache length
+    (1, 1, 4, 2, 32, 3, 40),  # a Talker decode step
+    (3, 1, 8, 2, 16, 5, 24),  # G = 4
+    (2, 2, 4, 4, 32, 2, 16),  # the Code Predictor's first forward (no grouping)
+    (2, 9, 4, 2, 16, 4, 12),  # a prefill
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_qk_norm_rope_store_matches_reference(dtype, case):
+    B, T, H, Hkv, D, S, L = case
+    g = torch.Generator().manual_seed(B * 100 + T)
+    slots = torch.randperm(S, generator=g)[:B]
+    start = torch.randint(0, L - T + 1, (B, 1), generator=g)
+    start[0] = L - T  # the last column of the bucket
+    positions = start + torch.arange(T)
+    q, k, v, (qw, kw), cos, sin = _layer_inputs(g, B, T, H, Hkv, D, dtype, positions)
+    caches = [torch.randn(S, Hkv, L, D, generator=g).to(dtype) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    q_out = ka.qk_norm_rope_store(q, k, v, qw, kw, 1e-6, cos, sin, *caches, slots, positions)
+    q_ref = ka.qk_norm_rope_store_reference(q, k, v, qw, kw, 1e-6, cos, sin, *ref_caches, slots, positions)
+    assert q_out.shape == (B, T, H, D)
+    _close(q_out, q_ref, dtype)
+    _close(caches[0], ref_caches[0], dtype)  # whole caches: written where they should be and nowhere else
+    assert torch.equal(caches[1], ref_caches[1])  # values are copied as they are
+
+
+def _attention_case(g, B, T, H, Hkv, D, S, L, dtype):
+    q = torch.randn(B, T, H, D, generator=g).to(dtype)
+    k_cache = torch.randn(S, Hkv, L, D, generator=g).to(dtype)
+    v_cache = torch.randn(S, Hkv, L, D, generator=g).to(dtype)
+    return q, k_cache, v_cache
+
+
+def _poison_unread(cache, slots, positions):
+    """Columns no query of a row may read (and rows no query reads) set to NaN: a kernel that reads them fails."""
+    poisoned = torch.full_like(cache, float("nan"))
+    for b, slot in enumerate(slots.tolist()):
+        end = int(positions[b].max()) + 1
+        poisoned[slot, :, :end] = cache[slot, :, :end]
+    return poisoned
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_cache_attention_reads_only_each_rows_own_columns(dtype, case):
+    B, T, H, Hkv, D, S, L = case
+    g = torch.Generator().manual_seed(B * 10 + T)
+    q, k_cache, v_cache = _attention_case(g, B, T, H, Hkv, D, S, L, dtype)
+    slots = torch.randperm(S, generator=g)[:B]
+    start = torch.randint(0, L - T + 1, (B, 1), generator=g)
+    start[0] = L - T  # a row that reads the full bucket
+    if B > 1:
+        start[1] = 0  # and one that reads from column 0 (length 1 when T = 1)
+    positions = start + torch.arange(T)
+    want = ka.cache_attention_reference(q, k_cache, v_cache, slots, positions)
+    got = ka.cache_attention(q, _poison_unread(k_cache, slots, positions), _poison_unread(v_cache, slots, positions),
+                             slots, positions)
+    assert got.shape == (B, T, H, D) and torch.isfinite(got).all()
+    _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cache_attention_right_padded_prefill(dtype):
+    B, T, H, Hkv, D, S, L = 3, 11, 4, 2, 32, 4, 16
+    g = torch.Generator().manual_seed(5)
+    q, k_cache, v_cache = _attention_case(g, B, T, H, Hkv, D, S, L, dtype)
+    slots = torch.tensor([2, 0, 3])
+    positions = torch.arange(T).expand(B, T)  # stride 0 across rows, as the runner builds it
+    valid_len = torch.tensor([11, 1, 6])  # a full row, a one-token prompt, a padded one
+    want = ka.cache_attention_reference(q, k_cache, v_cache, slots, positions, valid_len)
+    got = ka.cache_attention(q, k_cache, v_cache, slots, positions, valid_len)
+    _close(got, want, dtype)
+    # Columns at or past a row's length never matter, whatever they hold.
+    k_poisoned, v_poisoned = k_cache.clone(), v_cache.clone()
+    for b, slot in enumerate(slots.tolist()):
+        k_poisoned[slot, :, int(valid_len[b]):] = 1e4
+        v_poisoned[slot, :, int(valid_len[b]):] = -1e4
+    _close(ka.cache_attention(q, k_poisoned, v_poisoned, slots, positions, valid_len), want, dtype)
+
+
+def test_cache_attention_padded_batch_rows_share_a_scratch_slot():
+    """Rows that pad a batch to its graph bucket all point at one scratch slot; real rows are unaffected."""
+    g = torch.Generator().manual_seed(9)
+    q, k_cache, v_cache = _attention_case(g, 4, 1, 4, 2, 32, 5, 20, torch.float32)
+    slots = torch.tensor([1, 3, 4, 4])
+    positions = torch.tensor([[7], [0], [0], [0]])
+    got = ka.cache_attention(q, k_cache, v_cache, slots, positions)
+    want = ka.cache_attention_reference(q, k_cache, v_cache, slots, positions)
+    _close(got, want, torch.float32)
+
+
+def test_cache_attention_refuses_shapes_it_cannot_run():
+    q = torch.randn(1, 1, 3, 32)
+    cache = torch.randn(2, 2, 8, 32)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        ka.cache_attention(q, cache, cache, torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="k/v caches differ"):
+        ka.cache_attention(torch.randn(1, 1, 4, 32), cache, cache[:, :, :4], torch.zeros(1, dtype=torch.int64),
+                           torch.zeros(1, 1, dtype=torch.int64))
