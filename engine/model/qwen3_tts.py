@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from engine.model.config import ModelConfig
 from engine.model.prompt import NO_CODEC
-from engine.model.sampling import SamplerRows, choose, gumbel_noise, process_talker_logits, row_constants
+from engine.model.sampling import FrameDraws, SamplerRows, TalkerRules, sample
 from engine.model.talker import Talker
 
 DRAWS_PER_FRAME = 16  # one sampling counter per code of a frame: frame * 16 + group
@@ -51,9 +51,9 @@ class Qwen3TTS(nn.Module):
 
     def choose_code0(self, logits: Tensor, rows: SamplerRows, penalty: Tensor, seen: Tensor, allow_eos: Tensor,
                      frame: Tensor) -> Tensor:
-        """Code 0 of frame `frame` [B] from raw Talker logits [B, V] float32."""
-        processed = process_talker_logits(logits, seen, penalty, allow_eos, self.code0_suppressed, self.eos_id)
-        return choose(processed, rows, frame * DRAWS_PER_FRAME)
+        """Code 0 of frame `frame` [B] from raw Talker logits [B, V]."""
+        rules = TalkerRules(seen, penalty, allow_eos, self.code0_suppressed, self.eos_id)
+        return sample(logits, rows, frame * DRAWS_PER_FRAME, rules)
 
     def codes_1_to_15(self, hidden: Tensor, code0: Tensor, rows: SamplerRows, frame: Tensor,
                       **kw) -> tuple[Tensor, Tensor | None]:
@@ -61,12 +61,5 @@ class Qwen3TTS(nn.Module):
         [B, 15, V]. kw: cache, forced, keep_logits (see CodePredictor.run_frame)."""
         groups = self.cfg.talker.num_code_groups - 1
         counters = frame[:, None] * DRAWS_PER_FRAME + torch.arange(1, groups + 1, device=frame.device)  # [B, 15]
-        # All 15 groups' noise in one pass: the same draws as one group at a time, in far fewer kernels.
-        vocab = self.cfg.talker.code_predictor.vocab_size
-        noise = gumbel_noise(rows.seed, counters, vocab)  # [B, 15, V]
-        constants = row_constants(rows, vocab)
-
-        def pick(group: int, logits: Tensor) -> Tensor:
-            return choose(logits, rows, counters[:, group - 1], noise[:, group - 1], constants)
-
-        return self.talker.code_predictor.run_frame(hidden, self.talker.embed_codec(code0), pick, **kw)
+        draws = FrameDraws(rows, counters, self.cfg.talker.code_predictor.vocab_size)
+        return self.talker.code_predictor.run_frame(hidden, self.talker.embed_codec(code0), draws, **kw)

@@ -4,14 +4,21 @@ Randomness is counter-based: the uniform draw for (request seed, draw counter, v
 hash, so a request samples the same tokens whatever batch it runs in and whatever ran before it. Sampling is
 Gumbel-max over the filtered, temperature-scaled logits (equivalent to drawing from their softmax).
 Temperature 0 means greedy (argmax after the processors), as in docs/protocol.md 1.6.
+
+`sample` and `FrameDraws` are what the model calls: on CUDA they run the fused Triton sampler
+(engine.kernels.sampler), elsewhere `process_talker_logits` + `choose` below, which stay the reference the kernel
+is tested against.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger("voicelane.sampling")
 
 _MASK32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # < 2**31, so a 32-bit value times it stays inside int64
@@ -115,3 +122,81 @@ def process_talker_logits(logits: Tensor, seen: Tensor, penalty: Tensor, allow_e
     eos_col = torch.arange(suppress.shape[0], device=suppress.device) == eos_id  # no host-to-device copy
     blocked = suppress[None, :] | (eos_col[None, :] & ~allow_eos[:, None])
     return logits.masked_fill(blocked, float("-inf"))
+
+
+@dataclass
+class TalkerRules:
+    """process_talker_logits' inputs for one batch (see there)."""
+
+    seen: Tensor  # [B, V] bool
+    penalty: Tensor  # [B] float32
+    allow_eos: Tensor  # [B] bool
+    suppress: Tensor  # [V] bool
+    eos_id: int
+
+    def as_tuple(self) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+        return self.seen, self.penalty, self.allow_eos, self.suppress, self.eos_id
+
+
+FUSED_ON_CUDA = True  # the GPU check script turns this off to time the reference on the same model
+_fallback_logged = False
+
+
+def fused_for(device: torch.device) -> bool:
+    """Whether draws on `device` run the fused kernel. A CUDA device without one is logged (once) and shows in
+    engine.kernels.sampler.kernels_status(), which readiness reports."""
+    global _fallback_logged
+    if device.type != "cuda" or not FUSED_ON_CUDA:
+        return False
+    from engine.kernels import sampler
+
+    if not sampler.available() and not _fallback_logged:
+        log.error("fused sampler unavailable on %s, sampling with the PyTorch reference (slow): %s", device,
+                  sampler.kernels_status()["reason"])
+        _fallback_logged = True
+    return sampler.available()
+
+
+def sample(logits: Tensor, rows: SamplerRows, counter: Tensor, talker: TalkerRules | None = None) -> Tensor:
+    """One token per row from raw logits [B, V] (any float dtype), after the Talker's rules when given.
+    counter [B] int64 -> [B] int64."""
+    if fused_for(logits.device):
+        from engine.kernels.sampler import fused_sample
+
+        return fused_sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.seed, counter,
+                            talker.as_tuple() if talker is not None else None)
+    logits = logits.float()
+    if talker is not None:
+        logits = process_talker_logits(logits, talker.seen, talker.penalty, talker.allow_eos, talker.suppress,
+                                       talker.eos_id)
+    return choose(logits, rows, counter)
+
+
+class FrameDraws:
+    """The Code Predictor's draws for one frame, one call per group: rows and counters [B, G] are fixed for the
+    frame, so everything derived from them is made once here, none per draw (and nothing syncs the host)."""
+
+    def __init__(self, rows: SamplerRows, counters: Tensor, vocab: int):
+        self.rows, self.counters = rows, counters
+        self.fused = fused_for(counters.device)
+        if self.fused:
+            from engine.kernels import sampler
+
+            self._kernel = sampler
+            self._space = sampler.scratch(counters.shape[0], vocab, counters.device)
+            self._checked = False
+        else:
+            # All groups' noise in one pass: the same draws as one group at a time, in far fewer kernels.
+            self._noise = gumbel_noise(rows.seed, counters, vocab)  # [B, G, V]
+            self._constants = row_constants(rows, vocab)
+
+    def __call__(self, group: int, logits: Tensor) -> Tensor:
+        """Codes [B] int64 for group 1..G from logits [B, V] (any float dtype)."""
+        r, counter = self.rows, self.counters[:, group - 1]
+        if not self.fused:
+            return choose(logits.float(), r, counter, self._noise[:, group - 1], self._constants)
+        args = (logits, r.temperature, r.top_k, r.top_p, r.seed, counter)
+        if not self._checked:  # the later groups' logits come from the same head shapes
+            self._kernel.check_inputs(*args)
+            self._checked = True
+        return self._kernel.launch(*args, None, self._space)
