@@ -118,6 +118,7 @@ def load_checkpoint(directory: str | Path, device="cpu", dtype=torch.float32) ->
     load_weights(tts, _weight_files(directory), where=str(directory))
     codec = _materialise(lambda: CodecDecoder(codec_cfg), device, dtype)
     load_weights(codec, _weight_files(codec_dir), CODEC_PREFIX, where=str(codec_dir))
+    codec.prepare_inference()  # inference constants from the loaded weights, made once
     has_tokenizer = (directory / "tokenizer.json").is_file() or (directory / "vocab.json").is_file()
     return LoadedModel(cfg, codec_cfg, tts, codec, directory if has_tokenizer else None, str(directory), False)
 

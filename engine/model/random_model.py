@@ -32,6 +32,7 @@ def build_random_model(size: str, device="cpu", dtype=torch.float32, seed: int =
     randomize_codec_(codec, seed + 1)
     tts.to(dtype).eval()
     codec.to(dtype).eval()
+    codec.prepare_inference()
     return LoadedModel(cfg, codec_cfg, tts, codec, tokenizer_dir, f"random:{size}", True)
 
 
