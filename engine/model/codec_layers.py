@@ -21,8 +21,9 @@ from engine.kernels.snake import snake
 
 
 def fingerprint(tensors) -> tuple:
-    """Identity of tensors' current contents: changes when one is written in place, replaced, moved or cast."""
-    return tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+    """Identity of tensors' current contents: changes when one is written in place, replaced, moved or cast.
+    (Tensors made under torch.inference_mode keep no version counter: for those, in-place writes are not seen.)"""
+    return tuple((t.data_ptr(), None if t.is_inference() else t._version, t.dtype, t.device) for t in tensors)
 
 
 class Prepared(nn.Module):
