@@ -12,8 +12,9 @@ class EngineConfigError(ValueError):
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_slots: int = 64  # concurrent segment requests (KV cache rows)
+    # codec: the largest graph bucket (64), so 64 streams decode in one step, not two of 32
     max_batch: dict[str, int] = field(default_factory=lambda: {"prefill": 16, "talker": 64,
-                                                               "code_predictor": 64, "codec": 32})
+                                                               "code_predictor": 64, "codec": 64})
     chunk_ramp: tuple[int, ...] = (1, 2, 4, 8, 12)  # codec frames per chunk: first chunk, then growing
     safety_lead_s: float = 0.25  # a playing stream turns urgent this long before its buffer would run dry
     admission_load: float = 0.85  # admit while the predicted round of all streams fits in this share of 80 ms

@@ -121,6 +121,11 @@ class StageGraphs:
         mode = cfg.graph_mode(runner.device.type)
         capture = mode == "cuda"
         self.mode = mode
+        if capture and not torch.backends.cudnn.benchmark:
+            # Let cuDNN time its algorithms for each codec conv shape; the warm-up runs before each capture do the
+            # search, so captured graphs replay the fastest algorithm.
+            torch.backends.cudnn.benchmark = True
+            log.info("cuDNN autotuning (torch.backends.cudnn.benchmark) switched on before graph capture")
         slots = cfg.scheduler.max_slots
         self.buckets = tuple(b for b in DEFAULT_BUCKETS if b < slots) + (slots,)
         kv_max = runner.kv.max_len

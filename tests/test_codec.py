@@ -125,8 +125,15 @@ def test_whole_decode_matches_official(dec, codes, whole, attn):
     assert maxdiff(whole[:, : n * SPF], ref) < OFFICIAL_TOL
 
 
-def test_bf16_whole_decode_matches_official(dec, codes):
-    """bf16 numerics mirror the official ops (fp32 norm/softmax/RoPE tables, same op order)."""
+def rms(x) -> float:
+    return x.pow(2).mean().sqrt().item()
+
+
+def test_bf16_whole_decode_matches_official(dec, codes, whole):
+    """bf16 keeps the official fp32 islands (norm, softmax, RoPE tables) but fuses elementwise ops (addcmul, one
+    rounding instead of two; the codebooks folded in float64), so it is not bit-equal to the official bf16 decode:
+    the two differ by about their own bf16 error. Parity here: our bf16 decode is no further from the fp32 decode
+    than the official bf16 decode is, and the two bf16 decodes stay close."""
     official = official_decoder(TINY, "eager")
     official.load_state_dict(dec.state_dict(), strict=True)
     official = official.to(torch.bfloat16)
@@ -137,8 +144,44 @@ def test_bf16_whole_decode_matches_official(dec, codes):
     ours = ours.to(torch.bfloat16)
     n = 80
     with torch.no_grad():
-        ref, got = official(codes[..., :n]).float(), ours(codes[..., :n]).float()
-    assert maxdiff(got, ref) < 2e-3  # bf16 vs fp32 differs by ~1e-2 here; equal ops give ~0
+        ref, got = official(codes[..., :n]).float()[:, 0], ours(codes[..., :n]).float()[:, 0]
+    truth = whole[:, : n * SPF]
+    assert rms(got - truth) <= rms(ref - truth)  # 1.09e-3 vs 1.16e-3 at the time of writing
+    assert maxdiff(got, truth) <= 1.1 * maxdiff(ref, truth)
+    assert maxdiff(got, ref) < 0.05 and rms(got - ref) < 2e-3
+
+
+def test_folded_codebook_table_equals_official_lookup(dec, codes):
+    """One embedding_bag over the projected codebooks equals lookups, sums and the 1x1 output convs."""
+    with torch.no_grad():
+        dec.prepare_inference()
+        got = dec.quantizer.decode(codes[..., :50])
+        ref = dec.quantizer.decode_reference(codes[..., :50])
+    assert got.shape == ref.shape == (2, TINY.codebook_dim, 50)
+    assert maxdiff(got, ref) < 1e-5 * ref.abs().max().item()
+
+
+def test_prepared_constants_follow_weight_changes(dec, codes):
+    """Constants made at load are remade when the weights change afterwards (load, in-place edit, cast)."""
+    d = randomize_codec_(CodecDecoder(TINY), seed=99).eval()
+    d.prepare_inference()
+    snake = d.decoder[-2]
+    assert torch.equal(snake.freq, torch.exp(snake.alpha)) and snake.is_prepared()
+    with torch.no_grad():
+        d(codes[..., :3])  # uses the seed-99 constants
+        d.load_state_dict(dec.state_dict())
+        assert not snake.is_prepared()
+        got = d(codes[..., :30])[:, 0]
+        assert maxdiff(got, dec(codes[..., :30])[:, 0]) == 0
+        d16 = d.to(torch.bfloat16)
+        d16(codes[..., :2])
+    assert snake.freq.dtype == torch.bfloat16
+    assert torch.equal(snake.freq, torch.exp(snake.alpha))  # bit-equal to the official per-call constant
+
+
+def test_codes_out_of_range_raise(dec):
+    with pytest.raises(ValueError, match="codes must lie in"):
+        dec(torch.full((1, 16, 2), 2048))
 
 
 def test_output_is_audible_and_unclamped(whole):

@@ -31,7 +31,7 @@ Parameter names equal the official `Qwen3TTSTokenizerV2Decoder`: load the tensor
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +40,7 @@ from engine.model.codec_layers import (
     CausalConv1d,
     CausalConvTranspose1d,
     DecoderBlock,
+    Prepared,
     SlidingTransformer,
     SnakeBeta,
     SplitRVQ,
@@ -90,31 +91,60 @@ class CodecConfig:
         return math.prod(self.upsample_rates) * math.prod(self.upsampling_ratios)
 
 
+@dataclass(frozen=True)
+class StateLayout:
+    """Where each piece of a slot's streaming state lives in its row of `CodecStreamState.flat`."""
+
+    kv_shape: tuple[int, ...]  # (L, 2, Hkv, W-1, hd)
+    tail_shapes: tuple[tuple[int, int], ...]  # (C_i, H_i) per conv tail, in module order
+
+    @property
+    def sizes(self) -> list[int]:
+        return [math.prod(self.kv_shape)] + [c * h for c, h in self.tail_shapes]
+
+    @property
+    def width(self) -> int:
+        return sum(self.sizes)
+
+    def views(self, rows: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """rows [B, width] -> (kv [B, L, 2, Hkv, W-1, hd], tails [[B, C_i, H_i]]): views sharing rows' storage."""
+        B = rows.shape[0]
+        parts = rows.split(self.sizes, dim=1)
+        return parts[0].view(B, *self.kv_shape), [p.view(B, *s) for p, s in zip(parts[1:], self.tail_shapes,
+                                                                                   strict=True)]
+
+
 @dataclass
 class CodecStreamState:
     """Streaming state of `num_slots` streams, slot-major (dim 0 = slot), all on one device.
 
-    A slot at position p (frames decoded so far) holds in `k`/`v` the keys/values of frames p-W+1 .. p-1, oldest
-    first; entries at negative positions are zero and masked out. Conv tails start as zeros, which is exactly the
-    left zero padding of the whole-utterance decode."""
+    Each slot's state is one contiguous row of `flat`, so a step moves it with one gather and one scatter. A slot
+    at position p (frames decoded so far) holds the post-RoPE keys/values of frames p-W+1 .. p-1 per layer, oldest
+    first (entries at negative positions are zero and masked out), then the input tail of every causal conv.
+    Conv tails start as zeros, which is exactly the left zero padding of the whole-utterance decode."""
 
     pos: Tensor  # [S] int64: frames already decoded = absolute position of the slot's next frame
-    k: Tensor  # [S, L, Hkv, W-1, head_dim] activation dtype: post-RoPE keys of the last W-1 frames, per layer
-    v: Tensor  # [S, L, Hkv, W-1, head_dim] activation dtype: values, same layout
-    tails: list[Tensor] = field(default_factory=list)  # each [S, C_i, H_i] activation dtype: the last H_i input
-    #   samples of causal (transposed) conv i, in module order; CodecDecoder.tail_shapes lists (C_i, H_i)
+    flat: Tensor  # [S, layout.width] activation dtype
+    layout: StateLayout
 
     @property
     def num_slots(self) -> int:
         return self.pos.shape[0]
 
+    @property
+    def kv(self) -> Tensor:  # [S, L, 2, Hkv, W-1, hd] view
+        return self.layout.views(self.flat)[0]
+
+    @property
+    def tails(self) -> list[Tensor]:  # each [S, C_i, H_i], views
+        return self.layout.views(self.flat)[1]
+
     def nbytes_per_slot(self) -> int:
-        tensors = [self.pos, self.k, self.v, *self.tails]
-        return sum(t[0].numel() * t.element_size() for t in tensors)
+        return sum(t[0].numel() * t.element_size() for t in (self.pos, self.flat))
 
     def reset_(self, slots: Tensor) -> None:
         """Clear `slots` (LongTensor [n], on the state's device) for new streams. No host sync."""
-        for t in (self.pos, self.k, self.v, *self.tails):
+        for t in (self.pos, self.flat):
             t.index_fill_(0, slots, 0)
 
 
@@ -146,58 +176,74 @@ class CodecDecoder(nn.Module):
             if isinstance(m, (CausalConv1d, CausalConvTranspose1d)) and m.history > 0:
                 m.tail_id = len(self.tail_shapes)
                 self.tail_shapes.append((m.conv.in_channels, m.history))
+        kv_shape = (c.num_hidden_layers, 2, c.num_key_value_heads, c.sliding_window - 1, c.head_dim)
+        self.state_layout = StateLayout(kv_shape, tuple(self.tail_shapes))
+        self._prepared = [m for m in self.modules() if isinstance(m, Prepared)]
 
     @property
     def samples_per_frame(self) -> int:
         return self.config.samples_per_frame
 
-    def _run(self, codes: Tensor, io: TailIO | None, pos: Tensor | None, kv):
-        """codes [B, Q, t] -> (wave [B, 1, t*spf], new kv or None)."""
+    def prepare_inference(self) -> None:
+        """Make every inference constant (SnakeBeta exponentials, the folded codebook table, stacked projections)
+        from the current weights. The loader calls it once; a call also remakes constants whose weights changed."""
+        for m in self._prepared:
+            m.prepare_inference()
+
+    def _ensure_prepared(self) -> None:
+        # Host-side check only (no device work unless weights changed), so it is safe inside a graph capture.
+        for m in self._prepared:
+            if not m.is_prepared():
+                m.prepare_inference()
+
+    @torch.no_grad()  # inference only: the Triton kernels and the in-place state updates have no backward
+    def _run(self, codes: Tensor, io: TailIO | None, pos: Tensor | None, kv: Tensor | None) -> Tensor:
+        """codes [B, Q, t] -> wave [B, 1, t*spf]; in streaming mode kv and io's tails are updated in place."""
         if codes.shape[1] != self.config.num_quantizers:
             raise ValueError(f"expected {self.config.num_quantizers} codebooks, got {codes.shape[1]}")
+        self._ensure_prepared()
         x = self.quantizer.decode(codes)  # [B, codebook_dim, t]
         x = self.pre_conv(x, io)  # [B, latent, t]
-        x, kv = self.pre_transformer(x.transpose(1, 2), pos, kv)  # [B, t, latent]
+        x = self.pre_transformer(x.transpose(1, 2), pos, kv)  # [B, t, latent]
         x = x.transpose(1, 2)  # [B, latent, t]
         for stage in self.upsample:
             x = stage(x, io)  # [B, latent, t * prod(upsampling_ratios)]
-        for layer in self.decoder:
-            x = layer(x, io)  # ... -> [B, 1, t * spf]
-        return x.clamp(min=-1.0, max=1.0), kv
+        first, *blocks, act, last = self.decoder
+        x = first(x, io)
+        for block in blocks:
+            x = block(x, io)
+        x = last(x, io, act=act)  # [B, 1, t * spf]
+        return x.clamp_(min=-1.0, max=1.0)
 
     def forward(self, codes: Tensor) -> Tensor:
         """Whole-utterance exact decode: codes LongTensor [B, Q, T] (values in [0, codebook_size)) ->
         wave [B, 1, T * samples_per_frame]. Attention memory grows as T^2; use decode_stream for long audio."""
-        return self._run(codes, None, None, None)[0]
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.config.codebook_size):
+            raise ValueError(f"codes must lie in [0, {self.config.codebook_size}), got "
+                             f"[{int(codes.min())}, {int(codes.max())}]")
+        return self._run(codes, None, None, None)
 
     def new_stream_state(self, num_slots: int, device=None, dtype=None) -> CodecStreamState:
         """Zeroed state for `num_slots` streams (default device/dtype: those of the weights)."""
         p = next(self.parameters())
         device = p.device if device is None else device
         dtype = p.dtype if dtype is None else dtype
-        c = self.config
-        kv_shape = (num_slots, c.num_hidden_layers, c.num_key_value_heads, c.sliding_window - 1, c.head_dim)
-        return CodecStreamState(
-            pos=torch.zeros(num_slots, dtype=torch.int64, device=device),
-            k=torch.zeros(kv_shape, dtype=dtype, device=device),
-            v=torch.zeros(kv_shape, dtype=dtype, device=device),
-            tails=[torch.zeros(num_slots, ch, h, dtype=dtype, device=device) for ch, h in self.tail_shapes],
-        )
+        return CodecStreamState(pos=torch.zeros(num_slots, dtype=torch.int64, device=device),
+                                flat=torch.zeros(num_slots, self.state_layout.width, dtype=dtype, device=device),
+                                layout=self.state_layout)
 
     def decode_stream(self, codes: Tensor, state: CodecStreamState, slots: Tensor) -> Tensor:
-        """Decode t new frames for each of B streams: codes LongTensor [B, Q, t], slots LongTensor [B] (distinct,
-        on the state's device; rows may be at different positions). Reads and updates those slots of `state` in
-        place and returns wave [B, t * samples_per_frame]. Static shapes per (B, t), no host syncs, so a call can be
-        captured in a CUDA graph per (B, t) with static codes/slots buffers. Any t >= 1 works (also t > 72)."""
+        """Decode t new frames for each of B streams: codes LongTensor [B, Q, t] (values in [0, codebook_size):
+        not checked here, that would need a host sync), slots LongTensor [B] (distinct, on the state's device;
+        rows may be at different positions). Reads and updates those slots of `state` in place and returns wave
+        [B, t * samples_per_frame]. Static shapes per (B, t), no host syncs, so a call can be captured in a CUDA
+        graph per (B, t) with static codes/slots buffers. Any t >= 1 works (also t > 72)."""
         t = codes.shape[-1]
-        io = TailIO([tail.index_select(0, slots) for tail in state.tails])
+        rows = state.flat.index_select(0, slots)  # [B, width]: one gather for the whole state
+        kv, tails = state.layout.views(rows)
         pos = state.pos.index_select(0, slots)  # [B]
-        kv = (state.k.index_select(0, slots), state.v.index_select(0, slots))  # [B, L, Hkv, W-1, hd]
-        wave, (k, v) = self._run(codes, io, pos, kv)
-        for tail, new in zip(state.tails, io.out, strict=True):
-            tail.index_copy_(0, slots, new.to(tail.dtype))
-        state.k.index_copy_(0, slots, k.to(state.k.dtype))
-        state.v.index_copy_(0, slots, v.to(state.v.dtype))
+        wave = self._run(codes, TailIO(tails), pos, kv)  # updates kv and tails (so rows) in place
+        state.flat.index_copy_(0, slots, rows)  # one scatter
         state.pos.index_copy_(0, slots, pos + t)
         return wave[:, 0]
 

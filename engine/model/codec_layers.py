@@ -11,18 +11,69 @@ Module and parameter names mirror the official `Qwen3TTSTokenizerV2Decoder`, so 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.kernels.snake import snake
+
+
+def fingerprint(tensors) -> tuple:
+    """Identity of tensors' current contents: changes when one is written in place, replaced, moved or cast.
+    (Tensors made under torch.inference_mode keep no version counter: for those, in-place writes are not seen.)"""
+    return tuple((t.data_ptr(), None if t.is_inference() else t._version, t.dtype, t.device) for t in tensors)
+
+
+class Prepared(nn.Module):
+    """A module with inference constants derived from its parameters, made by `prepare_inference()` (once at load)
+    and remade if those parameters change afterwards (loading weights, `.to(dtype)`): `is_prepared()` compares a
+    fingerprint of the sources, so stale constants are never used. Subclasses list `prepared_from()`."""
+
+    _prepared_key: tuple | None = None
+
+    def prepared_from(self) -> list[Tensor]:
+        raise NotImplementedError
+
+    def _prepare(self) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def prepare_inference(self) -> None:
+        self._prepare()
+        self._prepared_key = fingerprint(self.prepared_from())
+
+    def is_prepared(self) -> bool:
+        return self._prepared_key == fingerprint(self.prepared_from())
+
 
 class TailIO:
-    """Per-call carrier of convolution histories: `inp[i]` is the gathered history of conv `i` ([B, C_i, H_i]),
-    `out[i]` receives its updated history (the last H_i samples of [history, new input])."""
+    """Per-call carrier of convolution histories: `tails[i]` ([B, C_i, H_i], a view into the gathered stream state)
+    holds the history of conv `i` on entry; the conv overwrites it with its updated history (the last H_i samples
+    of [history, new input]) after reading it."""
 
-    def __init__(self, inp: list[Tensor]):
-        self.inp = inp
-        self.out: list[Tensor | None] = [None] * len(inp)
+    def __init__(self, tails: list[Tensor]):
+        self.tails = tails
+
+
+def _window(x: Tensor, history: int, io: TailIO | None, tail_id: int, act: Callable | None) -> Tensor:
+    """x [B, C, T] -> [B, C, history + T]: the `history` input samples before x (zeros in whole mode, the stream's
+    tail otherwise), then act(x) written in place (no `cat`, no separate activation output). In streaming mode the
+    last `history` samples become the new tail."""
+    B, C, T = x.shape
+    win = x.new_empty(B, C, history + T)
+    if io is None:
+        win[..., :history].zero_()
+    else:
+        win[..., :history].copy_(io.tails[tail_id])
+    if act is None:
+        win[..., history:].copy_(x)
+    else:
+        act(x, out=win[..., history:])
+    if io is not None:
+        io.tails[tail_id].copy_(win[..., T:])
+    return win
 
 
 class CausalConv1d(nn.Module):
@@ -34,14 +85,12 @@ class CausalConv1d(nn.Module):
         self.history = (kernel_size - 1) * dilation  # input samples of left context
         self.tail_id = -1  # index into the stream state's tails; set by the decoder when history > 0
 
-    def forward(self, x: Tensor, io: TailIO | None = None) -> Tensor:  # x [B, C, T] -> [B, C', T]
+    def forward(self, x: Tensor, io: TailIO | None = None, act: Callable | None = None) -> Tensor:
+        """conv(act(x)) (act: an elementwise module taking `out=`, applied on the way into the window):
+        x [B, C, T] -> [B, C', T]."""
         if self.history == 0:
-            return self.conv(x)
-        if io is None:
-            return self.conv(F.pad(x, (self.history, 0)))
-        buf = torch.cat([io.inp[self.tail_id], x], dim=-1)  # [B, C, H + T]
-        io.out[self.tail_id] = buf[..., buf.shape[-1] - self.history:]
-        return self.conv(buf)
+            return self.conv(x if act is None else act(x))
+        return self.conv(_window(x, self.history, io, self.tail_id, act))
 
 
 class CausalConvTranspose1d(nn.Module):
@@ -57,29 +106,37 @@ class CausalConvTranspose1d(nn.Module):
         self.history = -(-kernel_size // stride) - 1  # past inputs that still reach the new outputs
         self.tail_id = -1
 
-    def forward(self, x: Tensor, io: TailIO | None = None) -> Tensor:  # x [B, C, T] -> [B, C', T*s]
+    def forward(self, x: Tensor, io: TailIO | None = None, act: Callable | None = None) -> Tensor:
+        """conv(act(x)) with the causal cut: x [B, C, T] -> [B, C', T*s]."""
         n_out = x.shape[-1] * self.stride
         if io is None or self.history == 0:
-            return self.conv(x)[..., :n_out]
+            return self.conv(x if act is None else act(x))[..., :n_out]
         h = self.history
-        buf = torch.cat([io.inp[self.tail_id], x], dim=-1)  # [B, C, h + T]
-        io.out[self.tail_id] = buf[..., buf.shape[-1] - h:]
-        y = self.conv(buf)  # [B, C', (h + T - 1) * s + k]; the first h*s outputs belong to past frames
+        y = self.conv(_window(x, h, io, self.tail_id, act))  # [B, C', (h+T-1)*s + k]; the first h*s: past frames
         return y[..., h * self.stride: h * self.stride + n_out]
 
 
-class SnakeBeta(nn.Module):
-    """x + sin^2(x * e^alpha) / (e^beta + 1e-9), per channel (alpha, beta are stored as logs)."""
+class SnakeBeta(Prepared):
+    """x + sin^2(x * e^alpha) / (e^beta + 1e-9), per channel (alpha, beta are stored as logs). The two per-channel
+    constants are made once by prepare_inference(), in the parameters' dtype with the official ops (so bf16
+    constants are bit-identical to the official module's per-call ones)."""
 
     def __init__(self, channels: int):
         super().__init__()
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
+        self.freq: Tensor | None = None  # [C] exp(alpha)
+        self.inv_mag: Tensor | None = None  # [C] 1 / (exp(beta) + 1e-9)
 
-    def forward(self, x: Tensor, io: TailIO | None = None) -> Tensor:  # [B, C, T]
-        freq = torch.exp(self.alpha)[None, :, None]  # [1, C, 1]
-        inv_mag = 1.0 / (torch.exp(self.beta)[None, :, None] + 1e-9)
-        return x + inv_mag * torch.sin(x * freq).pow(2)
+    def prepared_from(self) -> list[Tensor]:
+        return [self.alpha, self.beta]
+
+    def _prepare(self) -> None:
+        self.freq = torch.exp(self.alpha.detach())
+        self.inv_mag = 1.0 / (torch.exp(self.beta.detach()) + 1e-9)
+
+    def forward(self, x: Tensor, io: TailIO | None = None, out: Tensor | None = None) -> Tensor:  # [B, C, T]
+        return snake(x, self.freq, self.inv_mag, out)
 
 
 class ResidualUnit(nn.Module):
@@ -91,9 +148,9 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv1d(dim, dim, 1)
 
     def forward(self, x: Tensor, io: TailIO | None = None) -> Tensor:  # [B, C, T]
-        y = self.conv1(self.act1(x), io)
-        y = self.conv2(self.act2(y), io)
-        return x + y
+        y = self.conv1(x, io, act=self.act1)
+        y = self.conv2(y, io, act=self.act2)
+        return y.add_(x)
 
 
 class DecoderBlock(nn.Module):
@@ -107,8 +164,10 @@ class DecoderBlock(nn.Module):
         )
 
     def forward(self, x: Tensor, io: TailIO | None = None) -> Tensor:  # [B, C, T] -> [B, C/2, T*rate]
-        for layer in self.block:
-            x = layer(x, io)
+        act, up, *units = self.block
+        x = up(x, io, act=act)
+        for unit in units:
+            x = unit(x, io)
         return x
 
 
@@ -124,7 +183,7 @@ class ConvNeXtBlock(nn.Module):
     def forward(self, x: Tensor, io: TailIO | None = None) -> Tensor:  # [B, C, T]
         y = self.dwconv(x, io).transpose(1, 2)  # [B, T, C]
         y = self.pwconv2(F.gelu(self.pwconv1(self.norm(y))))
-        return x + (self.gamma * y).transpose(1, 2)
+        return torch.addcmul(x, self.gamma[:, None], y.transpose(1, 2))
 
 
 class UpsampleStage(nn.ModuleList):
@@ -185,15 +244,45 @@ class RVQGroup(nn.Module):
         return self.output_proj(acc.transpose(1, 2))
 
 
-class SplitRVQ(nn.Module):
-    """Codebook 0 (semantic) and codebooks 1.. (acoustic) decoded by separate groups, results added."""
+class SplitRVQ(Prepared):
+    """Codebook 0 (semantic) and codebooks 1.. (acoustic) decoded by separate groups, results added.
+
+    At inference the whole quantizer is one table lookup: each group's output 1x1 conv is linear and bias-free, so
+    W (sum_i e_i) = sum_i (W e_i) and the normalised codebooks can carry their group's projection. `table` stacks
+    the n_q projected codebooks ([n_q * size, io_dim], folded in float64, stored in the weights' dtype) and one
+    embedding_bag sums a frame's n_q rows. `decode_reference` is the official computation."""
 
     def __init__(self, n_q: int, dim: int, size: int, io_dim: int):
         super().__init__()
         self.rvq_first = RVQGroup(1, dim, size, io_dim)
         self.rvq_rest = RVQGroup(n_q - 1, dim, size, io_dim)
+        self.size = size
+        self.table: Tensor | None = None  # [n_q * size, io_dim]
+        self.offsets: Tensor | None = None  # [n_q, 1] int64: first row of codebook q in `table`
 
-    def decode(self, codes: Tensor) -> Tensor:  # codes [B, n_q, T] -> [B, io_dim, T]
+    def _groups(self):
+        for group in (self.rvq_first, self.rvq_rest):
+            for layer in group.vq.layers:
+                yield group.output_proj.weight, layer._codebook
+
+    def prepared_from(self) -> list[Tensor]:
+        return [t for w, cb in self._groups() for t in (w, cb.embedding_sum, cb.cluster_usage)]
+
+    def _prepare(self) -> None:
+        parts = []
+        for weight, cb in self._groups():
+            normalised = cb.embedding_sum.double() / cb.cluster_usage.double().clamp(min=1e-5)[:, None]  # [size, dim]
+            parts.append(normalised @ weight[:, :, 0].double().t())  # [size, io_dim]
+        self.table = torch.cat(parts).to(self.rvq_first.output_proj.weight.dtype)
+        n_q = len(parts)
+        self.offsets = torch.arange(n_q, device=self.table.device)[:, None] * self.size
+
+    def decode(self, codes: Tensor) -> Tensor:  # codes [B, n_q, T] in [0, size) -> [B, io_dim, T]
+        B, _, T = codes.shape
+        rows = (codes + self.offsets).transpose(1, 2).reshape(B * T, -1)  # [B*T, n_q] rows of `table`
+        return F.embedding_bag(rows, self.table, mode="sum").view(B, T, -1).transpose(1, 2)
+
+    def decode_reference(self, codes: Tensor) -> Tensor:  # codes [B, n_q, T] -> [B, io_dim, T]
         return self.rvq_first.decode(codes[:, :1]) + self.rvq_rest.decode(codes[:, 1:])
 
 
@@ -207,9 +296,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:  # [..., D]; normalize in fp32, cast back, then scale
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class LayerScale(nn.Module):
@@ -220,13 +307,23 @@ class LayerScale(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.scale * x
 
+    def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
+        """residual + scale * x in one pass."""
+        return torch.addcmul(residual, self.scale, x)
 
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+
+def _rotate_half_rows(w: Tensor, heads: int) -> Tensor:
+    """Rows of a projection [heads * hd, ...] permuted and negated per head so that it computes rotate_half of
+    the original projection's output (rotate_half(y) = [-y2, y1] for y = [y1, y2] per head)."""
+    w = w.view(heads, w.shape[0] // heads, *w.shape[1:])
+    half = w.shape[1] // 2
+    return torch.cat([-w[:, half:], w[:, :half]], dim=1).reshape(-1, *w.shape[2:])
 
 
-class Attention(nn.Module):
+class Attention(Prepared):
+    """Self-attention with RoPE. At inference one GEMM computes q, k, their rotate_half images and v (weights
+    stacked by prepare_inference), RoPE is one multiply and one addcmul, and attention is one SDPA call."""
+
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
@@ -235,39 +332,61 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.qkv_weight: Tensor | None = None  # [(2 * (H + Hkv) + Hkv) * hd, hidden]: q, k, rot q, rot k, v
+        self.qkv_bias: Tensor | None = None
+
+    def prepared_from(self) -> list[Tensor]:
+        return [p for m in (self.q_proj, self.k_proj, self.v_proj) for p in m.parameters()]
+
+    def _prepare(self) -> None:
+        def stack(get):
+            q, k, v = get(self.q_proj), get(self.k_proj), get(self.v_proj)
+            return torch.cat([q, k, _rotate_half_rows(q, self.heads), _rotate_half_rows(k, self.kv_heads), v])
+
+        self.qkv_weight = stack(lambda m: m.weight.detach())
+        self.qkv_bias = stack(lambda m: m.bias.detach()) if self.q_proj.bias is not None else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-                past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                past: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
         """x [B, t, D]; cos/sin [B|1, t, hd] (activation dtype); mask [B|1, 1, t, P+t] bool (True = attend);
-        past: (k, v) [B, Hkv, P, hd] post-RoPE. Returns (out [B, t, D], k_all, v_all [B, Hkv, P+t, hd])."""
+        past [B, 2, Hkv, P, hd] post-RoPE keys and values of the P frames before x. Returns (out [B, t, D],
+        (k, v) [B, Hkv, P+t, hd] each, or None when past is None)."""
         B, t, _ = x.shape
-        q = self.q_proj(x).view(B, t, self.heads, self.head_dim).transpose(1, 2)  # [B, H, t, hd]
-        k = self.k_proj(x).view(B, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, t, hd]
-        v = self.v_proj(x).view(B, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]  # [B|1, 1, t, hd]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        H, Hkv, hd = self.heads, self.kv_heads, self.head_dim
+        n_qk = (H + Hkv) * hd
+        proj = F.linear(x, self.qkv_weight, self.qkv_bias)  # [B, t, 2 * n_qk + Hkv * hd]
+        qk = proj[..., :n_qk].view(B, t, H + Hkv, hd)
+        qk_rot = proj[..., n_qk: 2 * n_qk].view(B, t, H + Hkv, hd)
+        qk = torch.addcmul(qk * cos[:, :, None], qk_rot, sin[:, :, None])  # RoPE: q*cos + rotate_half(q)*sin
+        q = qk[:, :, :H].transpose(1, 2)  # [B, H, t, hd]
+        k = qk[:, :, H:].transpose(1, 2)  # [B, Hkv, t, hd]
+        v = proj[..., 2 * n_qk:].view(B, t, Hkv, hd).transpose(1, 2)
+        kv = None
         if past is not None:
-            k = torch.cat([past[0], k], dim=2)  # [B, Hkv, P+t, hd]
-            v = torch.cat([past[1], v], dim=2)
-        rep = self.heads // self.kv_heads
-        kr = k.repeat_interleave(rep, dim=1) if rep > 1 else k  # [B, H, P+t, hd]
-        vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v
-        scores = torch.matmul(q, kr.transpose(-1, -2)) * self.scaling  # [B, H, t, P+t]
-        probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
-        out = torch.matmul(probs, vr).transpose(1, 2).reshape(B, t, -1)  # [B, t, H*hd]
-        return self.o_proj(out), k, v
+            k = torch.cat([past[:, 0], k], dim=2)  # [B, Hkv, P+t, hd]
+            v = torch.cat([past[:, 1], v], dim=2)
+            kv = (k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=H != Hkv)
+        return self.o_proj(out.transpose(1, 2).reshape(B, t, H * hd)), kv
 
 
-class MLP(nn.Module):
+class MLP(Prepared):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_weight: Tensor | None = None  # [2 * inter, hidden]: gate and up in one GEMM
+
+    def prepared_from(self) -> list[Tensor]:
+        return [self.gate_proj.weight, self.up_proj.weight]
+
+    def _prepare(self) -> None:
+        self.gate_up_weight = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class TransformerLayer(nn.Module):
@@ -281,11 +400,11 @@ class TransformerLayer(nn.Module):
         self.self_attn_layer_scale = LayerScale(hidden, ls_init)
         self.mlp_layer_scale = LayerScale(hidden, ls_init)
 
-    def forward(self, x, cos, sin, mask, past=None):  # x [B, t, D]
-        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
-        x = x + self.self_attn_layer_scale(a)
-        x = x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
-        return x, k, v
+    def forward(self, x, cos, sin, mask, past=None):  # x [B, t, D]; see Attention.forward
+        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+        x = self.self_attn_layer_scale.add_to(x, a)
+        x = self.mlp_layer_scale.add_to(x, self.mlp(self.post_attention_layernorm(x)))
+        return x, kv
 
 
 class RopeFreqs(nn.Module):
@@ -329,35 +448,39 @@ class SlidingTransformer(nn.Module):
         self.rotary_emb = RopeFreqs(cfg.head_dim, cfg.rope_theta)
         self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
         self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
+        self._window_masks: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
 
-    def forward(self, x: Tensor, pos: Tensor | None = None,
-                kv: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
-        """x [B, t, latent]. Whole mode: pos and kv None, frames are at positions 0..t-1.
-        Streaming: pos [B] int64 = position of x's first frame per row; kv = (k, v) [B, L, Hkv, W-1, hd] holding
-        the keys/values of positions pos-W+1 .. pos-1 (entries at negative positions are masked out).
-        Returns (y [B, t, latent], updated (k, v) of the same shape, or None in whole mode)."""
+    def _stream_mask(self, pos: Tensor, t: int) -> Tensor:
+        """[B, 1, t, W-1+t] bool for queries at pos .. pos+t-1 over keys at pos-W+1 .. pos+t-1. The window part
+        depends on t only and is made once per (t, device); only `key position >= 0` is per call."""
+        key = (t, pos.device)
+        if key not in self._window_masks:
+            offs = torch.arange(t, device=pos.device)  # query offsets
+            rel = torch.cat([torch.arange(1 - self.window, 0, device=pos.device), offs])  # key offsets [W-1+t]
+            dist = offs[:, None] - rel[None, :]  # [t, W-1+t]
+            self._window_masks[key] = ((dist >= 0) & (dist < self.window), rel)
+        window, rel = self._window_masks[key]
+        return (window & (pos[:, None, None] + rel >= 0))[:, None]
+
+    def forward(self, x: Tensor, pos: Tensor | None = None, kv: Tensor | None = None) -> Tensor:
+        """x [B, t, latent] -> y [B, t, latent]. Whole mode: pos and kv None, frames are at positions 0..t-1.
+        Streaming: pos [B] int64 = position of x's first frame per row; kv [B, L, 2, Hkv, W-1, hd] holds the keys
+        and values of positions pos-W+1 .. pos-1 (entries at negative positions are masked out) and is updated in
+        place to those of pos+t-W+1 .. pos+t-1."""
         t = x.shape[1]
-        offs = torch.arange(t, device=x.device)  # [t]
         if pos is None:
-            qpos = offs[None]  # [1, t]
-            kpos = qpos
+            qpos = torch.arange(t, device=x.device)[None]  # [1, t]
+            dist = qpos[0, :, None] - qpos[0, None, :]
+            mask = ((dist >= 0) & (dist < self.window))[None, None]  # [1, 1, t, t]
         else:
-            qpos = pos[:, None] + offs  # [B, t]
-            past = torch.arange(1 - self.window, 0, device=x.device)  # [W-1]: -(W-1) .. -1
-            kpos = torch.cat([pos[:, None] + past, qpos], dim=1)  # [B, W-1+t]
-        dist = qpos[:, :, None] - kpos[:, None, :]  # [B|1, t, P+t]
-        mask = ((dist >= 0) & (dist < self.window) & (kpos[:, None, :] >= 0))[:, None]  # [B|1, 1, t, P+t]
+            qpos = pos[:, None] + torch.arange(t, device=x.device)  # [B, t]
+            mask = self._stream_mask(pos, t)
         h = self.input_proj(x)  # [B, t, D]
         cos, sin = self.rotary_emb(qpos, h.dtype)
-        new_k, new_v = [], []
         keep = self.window - 1
         for i, layer in enumerate(self.layers):
-            past_kv = None if kv is None else (kv[0][:, i], kv[1][:, i])
-            h, k, v = layer(h, cos, sin, mask, past_kv)
+            h, new_kv = layer(h, cos, sin, mask, None if kv is None else kv[:, i])
             if kv is not None:
-                new_k.append(k[:, :, k.shape[2] - keep:])  # [B, Hkv, W-1, hd]
-                new_v.append(v[:, :, v.shape[2] - keep:])
-        y = self.output_proj(self.norm(h))
-        if kv is None:
-            return y, None
-        return y, (torch.stack(new_k, dim=1), torch.stack(new_v, dim=1))
+                for j, full in enumerate(new_kv):  # [B, Hkv, W-1+t, hd]: keep the last W-1
+                    kv[:, i, j].copy_(full[:, :, full.shape[2] - keep:])
+        return self.output_proj(self.norm(h))
