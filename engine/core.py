@@ -10,10 +10,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from engine.runner import Pending, Runner
 from engine.scheduler import Emit, Scheduler
 from engine.trace import Timeline
+
+if TYPE_CHECKING:  # the loop itself needs no torch: the simulator drives it with a simulated runner
+    from engine.runner import Pending, Runner
 
 log = logging.getLogger("voicelane.engine")
 

@@ -1,0 +1,166 @@
+"""The scheduler simulator's mechanics: profile costs, the one-step-late contract, the listener model, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.config import SchedulerConfig
+from engine.request import Stage
+from engine.scheduler import Emit
+from engine.sim.profile import DEFAULT_PROFILE, StageProfile
+from engine.sim.run import Listener, SimOptions, Simulation, simulate
+from engine.sim.workload import Arrival, poisson_workload, word_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+H200 = StageProfile.from_json(DEFAULT_PROFILE)
+HOST = 0.0003
+
+
+def ms(stage, batch=1, chunk=0):
+    return H200.step_s(stage, batch, chunk)
+
+
+def test_profile_reads_measured_rows_and_interpolates_between_them():
+    rows = json.loads(DEFAULT_PROFILE.read_text())["rows"]
+    measured = {(r["stage"], r["batch"], r.get("chunk", 0)): r["ms"] / 1e3 for r in rows
+                if r["graphs"] == "on" and r.get("prompt_len", 16) == 16}
+    for (stage, batch, chunk), seconds in measured.items():
+        assert H200.step_s(Stage(stage), batch, chunk) == pytest.approx(seconds)
+    # a batch is padded to its graph bucket: 5 rows cost what 8 do
+    assert H200.step_s(Stage.TALKER, 5) == pytest.approx(measured[("talker", 8, 0)])
+    # 16 rows (bucket 16) lie on the line between the measured 8 and 64
+    t8, t64 = measured[("talker", 8, 0)], measured[("talker", 64, 0)]
+    assert H200.step_s(Stage.TALKER, 16) == pytest.approx(t8 + (t64 - t8) * 8 / 56)
+    # a codec chunk of 4 frames lies between the measured 1 and 12 at the same batch
+    c1, c12 = measured[("codec", 8, 1)], measured[("codec", 8, 12)]
+    assert H200.step_s(Stage.CODEC, 8, 4) == pytest.approx(c1 + (c12 - c1) * 3 / 11)
+    # the 64-token prefill rows (eager in that run) are not used unless asked for
+    assert H200.step_s(Stage.PREFILL, 1) == pytest.approx(measured[("prefill", 1, 0)])
+    long = StageProfile.from_json(DEFAULT_PROFILE, prompt_len=64)
+    assert long.step_s(Stage.PREFILL, 1) > 0.05
+
+
+def one(text="Hello there, my friend.", at=0.0, mode="whole", silent=0, index=0):
+    return Arrival(index, at, word_ids(text), mode, silent)
+
+
+def test_an_idle_engine_gives_first_audio_after_exactly_the_first_audio_chain():
+    """Prefill, Code Predictor and the first 1-frame codec chunk run back to back: the host plans each next step
+    while the one before runs (the Code Predictor needs no result of the prefill, the codec needs its EOS flag,
+    which is collected while the Code Predictor runs)."""
+    chain = HOST + ms(Stage.PREFILL) + ms(Stage.CODE_PREDICTOR) + ms(Stage.CODEC, 1, 1)
+    for mode in ("whole", "streamed"):
+        report = simulate(SchedulerConfig(), H200, [one(mode=mode)])
+        (listener,) = report.listeners
+        assert listener.ttfa_s == pytest.approx(chain)
+        assert listener.done_at is not None and listener.underruns == 0
+        assert listener.received_s == pytest.approx(4 * 5 * 0.08)  # 4 words x 5 frames of 80 ms
+
+
+def test_a_newcomer_waits_for_the_step_in_flight_and_the_one_already_queued():
+    """The core launches step i before collecting step i-1: when a request arrives while the host waits for
+    step i-1, step i is already queued, and the newcomer's prefill runs after both."""
+    sim = Simulation(SchedulerConfig(), H200, [one("a " * 30), one(at=0.2, index=1)])
+    report = sim.run()
+    steps = report.steps
+    prefill_2 = [s for s in steps if s[0] == Stage.PREFILL][1]
+    before = [s for s in steps if s[3] < prefill_2[3]]
+    running = next(s for s in before if s[3] <= 0.2 < s[3] + s[4])
+    queued = before[before.index(running) + 1]
+    assert queued[3] == pytest.approx(running[3] + running[4])  # queued at once, behind the running step
+    assert prefill_2[3] == pytest.approx(queued[3] + queued[4])  # the newcomer's prefill: right after it
+    assert before[-1] is queued
+
+
+def test_listener_drops_leading_silence_and_counts_late_packets_as_underruns():
+    x = Listener(one())
+
+    def packet(t, first, frames):
+        x.packet(t, Emit(1, "audio", pcm=np.zeros(frames * 1920, np.float32), codes=np.zeros((frames, 16)),
+                         first_frame=first), silent_frames=2)
+
+    packet(0.010, 0, 1)  # silent: dropped, not the start of playback
+    packet(0.020, 1, 1)  # silent
+    assert x.first_audible_at is None and x.dropped_s == pytest.approx(0.16)
+    packet(0.030, 2, 1)  # audible: playback starts, plays until 0.110
+    packet(0.100, 3, 2)  # in time: plays 0.110 .. 0.270
+    packet(0.300, 5, 1)  # 30 ms late
+    assert x.ttfa_s == pytest.approx(0.030)
+    assert x.underruns == 1 and x.stall_s == pytest.approx(0.030)
+    played, state, buffered = x.report(0.340)
+    assert state == "playing" and buffered == pytest.approx(40.0) and played == pytest.approx(160 + 320 - 40)
+
+
+def test_silent_leading_frames_delay_audible_first_audio_by_their_chunks():
+    quiet = simulate(SchedulerConfig(), H200, [one(silent=3)]).listeners[0]
+    loud = simulate(SchedulerConfig(), H200, [one(silent=0)]).listeners[0]
+    assert quiet.ttfa_s > loud.ttfa_s + ms(Stage.TALKER) + ms(Stage.CODE_PREDICTOR)  # at least 1 more frame
+    assert quiet.dropped_s == pytest.approx(3 * 0.08)
+    assert quiet.first_packet_at == loud.first_packet_at
+
+
+def test_refused_requests_count_as_infinite_first_audio():
+    cfg = SchedulerConfig(max_slots=1)
+    report = simulate(cfg, H200, [one(), one(at=0.001, index=1)])
+    s = report.summary()
+    assert s["refused"] == 1 and math.isinf(s["ttfa_ms"]["p95"])
+    assert report.listeners[1].refused and "slots" in report.listeners[1].refused
+
+
+def test_poisson_workload_speaks_the_benchmark_sequence():
+    from bench.prompts import prompt_sequence
+
+    arrivals = poisson_workload(5, 20, seed=3, mode="streamed")
+    assert 50 < len(arrivals) < 150
+    assert all(b.at > a.at for a, b in zip(arrivals, arrivals[1:], strict=False))
+    sentences = prompt_sequence(3, len(arrivals))
+    assert [a.word_count for a in arrivals] == [len(s.split()) for s in sentences]
+    assert arrivals == poisson_workload(5, 20, seed=3, mode="streamed")
+
+
+def test_streamed_words_arriving_slowly_pace_the_frames():
+    """Dual layout reads one text token per frame: words every 300 ms starve the stream between them, so the
+    audio ends after the last word, not at the GPU's pace."""
+    arrival = one("one two three four five six", mode="streamed")
+    fast = simulate(SchedulerConfig(), H200, [arrival], SimOptions(word_interval_s=0.01)).listeners[0]
+    slow = simulate(SchedulerConfig(), H200, [arrival], SimOptions(word_interval_s=0.3)).listeners[0]
+    assert fast.done_at < 1.0 < 1.5 < slow.done_at
+
+
+def test_acks_reach_the_scheduler():
+    sim = Simulation(SchedulerConfig(), H200, [one("a " * 20)], SimOptions(ack_interval_s=0.05))
+    seen = []
+    original = sim.scheduler.playback
+    sim.scheduler.playback = lambda *a: (seen.append(a), original(*a))[1]
+    sim.run()
+    assert len(seen) > 5 and all(state in ("playing", "underrun") for _, _, state, _, _ in seen)
+
+
+def test_simulator_and_scheduler_import_without_torch():
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'torch' or name.startswith('torch.'):\n"
+            "            raise ImportError('torch is blocked')\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import engine.sim.run, engine.tools.simulate, engine.scheduler, engine.core\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):
+    from engine.tools.simulate import main
+
+    out = tmp_path / "sim.json"
+    main(["--rps", "2", "--duration", "5", "--out", str(out)])
+    data = json.loads(out.read_text())
+    result = data["results"]["2.0"]
+    assert result["requests"] > 0 and result["ttfa_ms"]["p50"] > 0
+    assert "simulated" in capsys.readouterr().out
+    assert data["scheduler"]["max_slots"] == 64 and data["mode"] == "whole"
