@@ -31,6 +31,8 @@ from server.protocol import (
     PROTOCOL_VERSION,
     SUBPROTOCOL,
     ProtocolError,
+    is_unicode,
+    is_valid_id,
     parse_json_object,
     ws_error,
 )
@@ -114,7 +116,9 @@ class WsSession(MessageHandlers):
                     finally:
                         self.finished.set()
                     return
-                data = item.data if item.render is None else item.render()
+                data = self._wire(item)
+                if data is None:
+                    continue
                 try:
                     if isinstance(data, bytes):
                         await self.ws.send_bytes(data)
@@ -130,6 +134,27 @@ class WsSession(MessageHandlers):
             log.exception("session %s: emit task failed", self.id)
         finally:
             self.finished.set()
+
+    def _wire(self, item: OutItem) -> bytes | str | None:
+        """The bytes or text of one queued message, or None when it cannot be written (a render that fails, text
+        that is not valid Unicode): that message is dropped, its context ends with `internal`, and the socket and
+        every other context go on."""
+        try:
+            data = item.data if item.render is None else item.render()
+            if isinstance(data, str) and not is_unicode(data):
+                raise ValueError("the message is not valid Unicode")
+            return data
+        except Exception as exc:  # noqa: BLE001 - one bad message must never end the session
+            self.out.sent(item)
+            log.exception("session %s: an outgoing message could not be written; dropped", self.id)
+            owner = item.owner
+            cid = owner.id if owner is not None and is_valid_id(owner.id) else None
+            if owner is not None and not owner.ended:
+                owner.fail(f"an outgoing message could not be written ({type(exc).__name__})")
+            else:
+                self.send(ws_error("internal", f"server error: an outgoing message could not be written "
+                                   f"({type(exc).__name__}) and was dropped", context_id=cid))
+            return None
 
     # ------------------------------------------------------------------ life cycle
     async def run(self) -> None:
