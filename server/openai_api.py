@@ -32,6 +32,7 @@ from server.options import SAMPLING_FIELDS, ContextOptions, resolve_context_opti
 from server.protocol import (
     ERRORS,
     ProtocolError,
+    check_unicode,
     get_bool,
     get_number,
     get_str,
@@ -80,6 +81,7 @@ class SpeechRequest:
 
 
 def parse_speech(obj: dict, rt: Runtime) -> SpeechRequest:
+    check_unicode(obj)  # every field and key, `model` and `sampling` keys included
     text = obj.get("input")
     if not isinstance(text, str):
         raise ProtocolError("invalid_field", "'input' (the text to speak) must be a string", "input")
@@ -396,6 +398,7 @@ class SpeechStream(Response):
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _whole(self, send) -> None:
+        head = self.audio.header()  # before any audio: Ogg writes its header pages first, once
         parts: list[bytes] = []
         done_ev = None
         async for data, ev in self._events():
@@ -409,7 +412,7 @@ class SpeechStream(Response):
         if self.req.response_format == "wav":  # exact sizes: the length is known
             body = wav_header(24000, num_samples=len(body) // 2) + body
         else:
-            body = self.audio.header() + body
+            body = head + body
         self.rt.metrics.audio_seconds.inc("http", amount=self.audio.audio_ms / 1000.0)
         headers = self._headers(self.audio.content_type) + [
             (b"content-length", str(len(body)).encode()), (b"x-codes-sha256", self.codes.hexdigest().encode()),

@@ -78,6 +78,22 @@ def test_lone_surrogates_are_refused_and_the_socket_keeps_speaking(server):
     run(go())
 
 
+def test_max_frames_one_needs_no_min_frames(server):
+    """Item 2: the default min_frames (2) refused an explicit, valid max_frames of 1."""
+
+    async def go():
+        raw = await Raw.open(server.ws_url)
+        created = await speak_ctx(raw, "one", ["hello ", "there"], create={"max_frames": 1})
+        got = await collect(raw, "one", created["stream_id"])
+        assert got["end"]["reason"] == "max_frames" and got["end"]["frames"] == 1, got["end"]
+        await raw.send({"type": "context.create", "context_id": "two", "max_frames": 1, "min_frames": 2})
+        err = await raw.error("invalid_field")  # an explicit contradiction is still refused
+        assert err["context_id"] == "two" and err["param"] == "min_frames", err
+        await raw.close()
+
+    run(go())
+
+
 # -------------------------------------------------------------------------------- the emit path never dies
 
 
