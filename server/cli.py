@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--idle-timeout-s", type=float, default=lim.idle_timeout_s)
     g.add_argument("--context-idle-timeout-s", type=float, default=lim.context_idle_timeout_s)
     g.add_argument("--max-unsent-audio-s", type=float, default=lim.max_unsent_audio_s)
+    g.add_argument("--max-unsent-bytes", type=int, default=lim.max_unsent_bytes,
+                   help="bytes of messages and audio queued for a client that does not read; over it: 4009")
+    g.add_argument("--max-messages-per-s", type=float, default=lim.max_messages_per_s,
+                   help="client messages handled per second per socket (0 = off); a faster client is paced")
+    g.add_argument("--message-burst", type=int, default=lim.message_burst,
+                   help="messages a socket may send at once before --max-messages-per-s applies")
     g = s.add_argument_group("engine")
     g.add_argument("--max-frames", type=int, default=EngineConfig().max_frames,
                    help="frames a segment may return (sizes the KV cache)")
@@ -134,7 +140,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
     limits = Limits(max_contexts=a.max_contexts, max_text_chars_per_message=a.max_text_chars_per_message,
                     max_text_chars_per_context=a.max_text_chars_per_context, max_message_bytes=a.max_message_bytes,
                     idle_timeout_s=a.idle_timeout_s, context_idle_timeout_s=a.context_idle_timeout_s,
-                    max_unsent_audio_s=a.max_unsent_audio_s)
+                    max_unsent_audio_s=a.max_unsent_audio_s, max_unsent_bytes=a.max_unsent_bytes,
+                    max_messages_per_s=a.max_messages_per_s, message_burst=a.message_burst)
     cfg = ServerConfig(model=a.model, device=device, dtype=dtype, host=a.host, port=a.port, limits=limits,
                        engine=engine, api_keys=Secret(dict.fromkeys(keys)),
                        metrics_key=Secret([a.metrics_key] if a.metrics_key else []),

@@ -22,6 +22,9 @@ class Limits:
     idle_timeout_s: float = 60.0
     context_idle_timeout_s: float = 30.0
     max_unsent_audio_s: float = 10.0
+    max_unsent_bytes: int = 8 << 20  # every outgoing byte queued for a client that does not read
+    max_messages_per_s: float = 500.0  # client messages handled per second per socket; faster ones wait
+    message_burst: int = 1000  # messages a socket may send at once before the rate applies
 
     def validate(self) -> None:
         for name in ("max_contexts", "max_text_chars_per_message", "max_text_chars_per_context"):
@@ -30,6 +33,11 @@ class Limits:
                                         f"(--{name.replace('_', '-')})")
         if self.max_message_bytes < 1024:
             raise ServerConfigError(f"max_message_bytes = {self.max_message_bytes}; it must be >= 1024")
+        if self.max_unsent_bytes < 1 << 16:
+            raise ServerConfigError(f"max_unsent_bytes = {self.max_unsent_bytes}; it must be >= 65536")
+        if self.max_messages_per_s < 0 or self.message_burst < 1:
+            raise ServerConfigError(f"max_messages_per_s = {self.max_messages_per_s}, message_burst = "
+                                    f"{self.message_burst}; use a rate >= 0 (0 = off) and a burst >= 1")
         for name in ("idle_timeout_s", "context_idle_timeout_s", "max_unsent_audio_s"):
             if getattr(self, name) <= 0:
                 raise ServerConfigError(f"{name} = {getattr(self, name)}; it must be > 0 "
