@@ -40,7 +40,7 @@ from server.protocol import (
     parse_json_object,
 )
 from server.runtime import Runtime
-from server.textpipe import encode_whole
+from server.textpipe import encode_segments
 
 log = logging.getLogger("voicelane.http")
 RESPONSE_FORMATS = ("mp3", "pcm", "wav", "opus")
@@ -49,6 +49,12 @@ TOP_LEVEL_SAMPLING = (*SAMPLING_FIELDS, "subtalker")
 RETRY_AFTER_S = "1"
 ENGINE_CHECK_S = 2.0
 BACKLOG_CHECK_S = 0.2
+
+
+def segment_budget(max_frames: int) -> int:
+    """Estimated frames of text per segment: half the frames a segment may make, so that long input is spoken
+    whole (each segment has its own max_frames) with room for slow speech."""
+    return max(8, max_frames // 2)
 
 
 def error_response(code: str, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -167,8 +173,10 @@ async def speech(request: Request) -> Response:
     try:
         obj = parse_json_object(await read_body(request, rt.config.http_max_body_bytes))
         req = parse_speech(obj, rt)
-        ids, words = encode_whole(rt.tokenizer, req.text, req.options.text_normalization)
-        if not ids:
+        segments = encode_segments(rt.tokenizer, req.text, req.options.text_normalization,
+                                   segment_budget(rt.sampling_base.max_frames))
+        n_tokens = sum(len(ids) for ids, _ in segments)
+        if not n_tokens:
             raise ProtocolError("invalid_field", "'input' has nothing to speak after text normalisation", "input")
         instruction_ids = None
         if req.options.instructions is not None:
@@ -199,17 +207,21 @@ async def speech(request: Request) -> Response:
             rt.metrics.rejections.inc("http", "overloaded")
         return error_response(code, str(exc), exc.param)
     try:
-        ectx.append_text(ids)
+        for i, (ids, words) in enumerate(segments):
+            ectx.append_text(ids)
+            if i < len(segments) - 1:
+                ectx.flush(words)
+            else:
+                ectx.close(words)
     except EngineError as exc:  # e.g. whole-layout text longer than the prompt may be
         ectx.cancel()
         rt.metrics.errors.inc("http", exc.code)
         return error_response(exc.code if exc.code in ERRORS else "internal", str(exc), exc.param)
-    ectx.close(words)
     clog = context_logger(trace_id)
-    clog.info("speech request: %d characters, %d tokens, voice %s, %s%s, seed %d", len(req.text), len(ids),
-              req.options.voice, req.response_format, " (sse)" if req.stream_format == "sse" else "",
-              req.options.sampling.seed)
-    return SpeechStream(rt, req, ectx, audio, trace_id, len(ids), t0)
+    clog.info("speech request: %d characters, %d tokens in %d segment(s), voice %s, %s%s, seed %d", len(req.text),
+              n_tokens, len(segments), req.options.voice, req.response_format,
+              " (sse)" if req.stream_format == "sse" else "", req.options.sampling.seed)
+    return SpeechStream(rt, req, ectx, audio, trace_id, n_tokens, t0)
 
 
 async def _no_receive():
@@ -237,6 +249,7 @@ class SpeechStream(Response):
         self.first_sent = False
         self.started = False  # response headers sent
         self.reason = "cancelled"
+        self.segment_cut = False  # a segment ended at max_frames
         self.background = None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -333,6 +346,8 @@ class SpeechStream(Response):
                 self.codes.update(ev.codes.astype("<i8", copy=False).tobytes())
                 yield await loop.run_in_executor(pool, self.audio.process, ev.pcm), None
             elif isinstance(ev, SegmentDone):
+                if ev.reason == "max_frames":  # a segment cut short: the response says so even if later ones end
+                    self.segment_cut = True
                 yield await loop.run_in_executor(pool, self.audio.end_segment), None
             elif isinstance(ev, ContextDone):
                 if ev.reason == "error":
@@ -340,6 +355,10 @@ class SpeechStream(Response):
                     return
                 yield await loop.run_in_executor(pool, self.audio.finish), ev
                 return
+
+    def _finish_reason(self, done: ContextDone | None) -> str:
+        reason = done.reason if done is not None else "completed"
+        return "max_frames" if reason == "completed" and self.segment_cut else reason
 
     def _error_json(self, ev: ContextDone) -> Response:
         code = ev.error_code if ev.error_code in ("synthesis_failed", "internal") else "synthesis_failed"
@@ -387,7 +406,7 @@ class SpeechStream(Response):
                 body = (f"data: {json.dumps({'type': 'speech.audio.delta', 'audio': base64.b64encode(data).decode()})}"
                         "\n\n").encode() if sse else data
                 await send({"type": "http.response.body", "body": body, "more_body": True})
-        self.reason = done_ev.reason if done_ev is not None else "completed"
+        self.reason = self._finish_reason(done_ev)
         self.rt.metrics.audio_seconds.inc("http", amount=self.audio.audio_ms / 1000.0)
         tail = b""
         if sse:
@@ -407,7 +426,7 @@ class SpeechStream(Response):
                 return await self._error_json(ev)(self.scope, _no_receive, send)
             parts.append(data)
             done_ev = ev or done_ev
-        self.reason = done_ev.reason if done_ev is not None else "completed"
+        self.reason = self._finish_reason(done_ev)
         body = b"".join(parts)
         if self.req.response_format == "wav":  # exact sizes: the length is known
             body = wav_header(24000, num_samples=len(body) // 2) + body

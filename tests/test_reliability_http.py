@@ -15,6 +15,7 @@ from test_server_http import ogg_packets, post
 from server.app import create_app
 from server.config import ServerConfig
 from server.runtime import Runtime
+from server.textpipe import encode_segments, encode_whole, estimated_frames, split_sentences
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +82,33 @@ def test_dead_engine_fails_liveness():
     assert dead.status_code == 503 and dead.json()["engine_running"] is False, dead.text
     assert client.get("/ready").status_code == 503
 
+
+
+# ------------------------------------------------------------------------------------------- long input
+
+
+def test_split_sentences_keeps_every_character_within_the_budget(tiny_checkpoint):
+    from engine.text.tokenizer import TextTokenizer
+
+    text = ("First sentence here. Second one, longer than the first?  Yes!\nA line break; then " + "z" * 70 +
+            " and CJK 你好。世界！再见。 The end.")
+    for budget in (8, 20, 64, 1000):
+        pieces = split_sentences(text, budget)
+        assert "".join(pieces) == text
+        assert all(estimated_frames(p) <= budget for p in pieces), budget
+    assert split_sentences(text, 1000) == [text]
+    assert split_sentences("One. Two. Three.", 10) == ["One. Two. ", "Three."]
+    tok = TextTokenizer.from_dir(tiny_checkpoint)
+    short = "Hello world, how are you today?"
+    assert encode_segments(tok, short, "llm", 64) == [encode_whole(tok, short, "llm")]
+    ids = [i for seg, _ in encode_segments(tok, text, "none", 20) for i in seg]
+    assert len(ids) >= len(encode_whole(tok, text, "none")[0]) - 2  # nothing lost at the cuts
+
+
+def test_long_input_is_spoken_whole(server):
+    """Item 6: a long request was cut at max_frames (64 frames here: 32 words) with status 200. Now it is spoken
+    in segments, each with its own frame budget: 50 words at 2 frames per word make 100 frames."""
+    text = " ".join(f"word{i}." if i % 9 == 8 else f"word{i}" for i in range(50))
+    status, headers, data = post(server, {"input": text, "response_format": "pcm", "stream": False, "seed": 3})
+    assert status == 200, data
+    assert headers["x-finish-reason"] == "completed" and headers["x-frames"] == "100", headers
