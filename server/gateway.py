@@ -259,9 +259,13 @@ class WsSession(MessageHandlers):
                     self.end(CLOSE_GOING_AWAY, "server draining")
                     return
                 if rt.drain_deadline is not None and now > rt.drain_deadline:
+                    log.warning("session %s: drain deadline: cancelling %d context(s) still open", self.id,
+                                len(self.contexts))
                     for ctx in list(self.contexts.values()):
                         ctx.cancel(None, None)
-                    self.end(CLOSE_GOING_AWAY, "server draining")
+                    self.end(CLOSE_GOING_AWAY, "server draining: deadline passed",
+                             error=ws_error("overloaded", "the server's drain deadline passed: its open contexts were "
+                                            "cancelled; reconnect to another server", fatal=True))
                     return
             elif not self.contexts and now - self.last_client_activity > self.limits.idle_timeout_s:
                 log.info("session %s idle for %.0f s: closing with 4008", self.id, self.limits.idle_timeout_s)

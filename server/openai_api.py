@@ -261,10 +261,14 @@ class SpeechStream(Response):
         watcher = asyncio.create_task(_wait_disconnect(receive))
         backlog = asyncio.create_task(self._watch_backlog())
         worker = asyncio.create_task(self._run(send))
+        drain = asyncio.create_task(rt.drain_expired.wait())
         try:
-            done, _ = await asyncio.wait({watcher, backlog, worker}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({watcher, backlog, worker, drain}, return_when=asyncio.FIRST_COMPLETED)
             if worker not in done:
-                if backlog in done:
+                if drain in done and watcher not in done:
+                    self.log.warning("drain deadline: cutting this stream after %d frames", self.frames)
+                    self.reason = "drained"
+                elif backlog in done:
                     self.log.warning("slow reader: over %g s of audio waited to be sent; closing",
                                      rt.limits.max_unsent_audio_s)
                     self.reason = "slow_reader"
@@ -277,6 +281,8 @@ class SpeechStream(Response):
                     await worker
                 except (asyncio.CancelledError, Exception):  # noqa: BLE001
                     pass
+                if self.reason == "drained":
+                    await self._end_drained(send)
             else:
                 exc = worker.exception()
                 if exc is not None and not isinstance(exc, OSError | ConnectionError):
@@ -286,8 +292,8 @@ class SpeechStream(Response):
                         rt.metrics.errors.inc("http", "internal")
                         await error_response("internal", f"synthesis stopped: {exc}")(scope, _no_receive, send)
         finally:
-            watcher.cancel()
-            backlog.cancel()
+            for task in (watcher, backlog, drain):
+                task.cancel()
             if not self.ectx.ended:
                 self.ectx.cancel()
             rt.http_streams -= 1
@@ -295,6 +301,19 @@ class SpeechStream(Response):
             rt.metrics.contexts.inc("http", self.reason)
             self.log.info("speech request ended: %s, %d frames, %.0f ms of audio in %.0f ms", self.reason,
                           self.frames, self.audio.audio_ms, (time.monotonic() - self.t0) * 1000)
+
+    async def _end_drained(self, send) -> None:
+        """The drain deadline cut this request: a response not yet begun is a retryable 503; one under way ends
+        cleanly (the chunked body is terminated), an SSE one with its done event, reason `drained`."""
+        if not self.started:
+            self.rt.metrics.errors.inc("http", "overloaded")
+            await error_response("overloaded", "the server is draining and its deadline passed before this request "
+                                 "finished; retry on another server")(self.scope, _no_receive, send)
+            return
+        tail = b""
+        if self.req.stream_format == "sse":
+            tail = f"data: {json.dumps(self._sse_done())}\n\n".encode()
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _watch_backlog(self) -> None:
         """Returns when audio made for this request waits unsent longer than max_unsent_audio_s: the client
@@ -442,6 +461,7 @@ class SpeechStream(Response):
                     f"\n\ndata: {json.dumps(self._sse_done())}\n\n").encode()
             headers = [h for h in self._headers("text/event-stream")] + [(b"content-length", str(len(body)).encode())]
         self._note_audio(body)
+        self.started = True
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
