@@ -71,6 +71,9 @@ class ServerConfig:
     cpu_threads: int = 0  # torch threads on the CPU; 0 = torch's default
     drain_timeout_s: float = 25.0
     http_max_body_bytes: int = 1 << 20
+    http_head_timeout_s: float = 10.0  # a request head must be complete this long after it may start
+    http_body_timeout_s: float = 30.0  # a request body must be complete this long after its head
+    max_connections_per_client: int = 256  # open HTTP connections per client address; 0 = unlimited
     rate_limit_rps: float = 0.0  # speech requests per second per API key (or client address); 0 = off
     rate_limit_burst: int = 10
     opus_complexity: int = 10
@@ -89,6 +92,12 @@ class ServerConfig:
         if self.rate_limit_rps < 0 or self.rate_limit_burst < 1:
             raise ServerConfigError(f"rate_limit_rps = {self.rate_limit_rps}, rate_limit_burst = "
                                     f"{self.rate_limit_burst}; use rps >= 0 (0 = off) and burst >= 1")
+        if self.http_head_timeout_s <= 0 or self.http_body_timeout_s <= 0:
+            raise ServerConfigError(f"http_head_timeout_s = {self.http_head_timeout_s}, http_body_timeout_s = "
+                                    f"{self.http_body_timeout_s}; both must be > 0")
+        if self.max_connections_per_client < 0:
+            raise ServerConfigError(f"max_connections_per_client = {self.max_connections_per_client}; use 0 "
+                                    "(unlimited) or more")
         if self.drain_timeout_s < 0:
             raise ServerConfigError(f"drain_timeout_s = {self.drain_timeout_s}; it must be >= 0")
         if not 0 <= self.opus_complexity <= 10:

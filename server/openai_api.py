@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from engine.api import SAMPLE_RATE, AudioChunk, ContextDone, ContextSpec, EngineError, Overloaded, SegmentDone
@@ -141,13 +141,22 @@ def parse_speech(obj: dict, rt: Runtime) -> SpeechRequest:
     return SpeechRequest(text, opts, fmt, True if stream is None else stream, stream_format)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, at most `limit` bytes, whole within `timeout_s` (a slow or never-ending body is 408)."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ProtocolError("text_too_long", f"request body over {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ProtocolError("text_too_long", f"request body over {limit} bytes")
+                chunks.append(chunk)
+    except ClientDisconnect:  # an aborted upload: nobody to answer, nothing worth an ERROR traceback
+        log.info("client left during its request body (%d bytes read)", size)
+        raise ProtocolError("invalid_json", "the request body ended early: the client disconnected") from None
+    except TimeoutError:
+        raise ProtocolError("request_timeout", f"the request body did not arrive within {timeout_s:g} s "
+                            "(--http-body-timeout-s)") from None
     return b"".join(chunks)
 
 
@@ -171,7 +180,8 @@ async def speech(request: Request) -> Response:
             return error_response("rate_limited", f"over {limiter.rps:g} requests/s (burst {limiter.burst}); retry "
                                   f"in {wait:.1f} s", headers={"Retry-After": limiter.retry_after(wait)})
     try:
-        obj = parse_json_object(await read_body(request, rt.config.http_max_body_bytes))
+        obj = parse_json_object(await read_body(request, rt.config.http_max_body_bytes,
+                                                rt.config.http_body_timeout_s))
         req = parse_speech(obj, rt)
         segments = encode_segments(rt.tokenizer, req.text, req.options.text_normalization,
                                    segment_budget(rt.sampling_base.max_frames))

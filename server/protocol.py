@@ -50,6 +50,7 @@ ERRORS: dict[str, ErrorKind] = {
     "unauthorized": ErrorKind(401, "authentication_error", fatal=True, close_code=4001),
     "origin_not_allowed": ErrorKind(403, "permission_error", fatal=True, close_code=4003),
     "idle_timeout": ErrorKind(408, "invalid_request_error", fatal=True, close_code=4008),
+    "request_timeout": ErrorKind(408, "invalid_request_error"),  # HTTP only: the body came too slowly
     "slow_reader": ErrorKind(400, "invalid_request_error", fatal=True, close_code=4009),
     "too_many_sessions": ErrorKind(429, "rate_limit_error", retryable=True, fatal=True, close_code=4029),
     "not_ready": ErrorKind(503, "overloaded_error", retryable=True, fatal=True, close_code=1013),

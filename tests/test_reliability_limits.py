@@ -5,6 +5,7 @@ rate is paced without holding other sockets up, and slow or greedy HTTP clients 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import pytest
@@ -13,7 +14,8 @@ from websockets.exceptions import ConnectionClosed
 
 from server.outqueue import OutItem, OutQueue
 
-LIMITS = ["--max-unsent-bytes", str(1 << 20), "--max-messages-per-s", "50", "--message-burst", "20"]
+LIMITS = ["--max-unsent-bytes", str(1 << 20), "--max-messages-per-s", "50", "--message-burst", "20",
+          "--http-head-timeout-s", "1", "--http-body-timeout-s", "1", "--max-connections-per-client", "12"]
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +112,55 @@ def test_message_rate_is_paced_and_other_sockets_do_not_wait(server):
     assert ids == list(range(70))  # paced, never dropped or reordered
     assert flood_s >= 0.9, flood_s  # 50 messages past the burst at 50/s
     assert other_rtt < 0.5, other_rtt
+
+
+# ------------------------------------------------------------------------------------------ HTTP connections
+
+
+def open_conn(server, data: bytes = b"") -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    if data:
+        s.sendall(data)
+    return s
+
+
+def read_all(s: socket.socket, timeout: float = 10.0) -> tuple[bytes, float]:
+    """Everything until the server closes, and how long that took."""
+    t0, out = time.monotonic(), b""
+    s.settimeout(timeout)
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    return out, time.monotonic() - t0
+
+
+HEAD = b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+def test_slow_heads_and_bodies_time_out(server):
+    """Item 4: a head that never ends, a body that stops, and a chunked body that never ends held their
+    connections for ever; now the head deadline (1 s here) closes the first and the others are 408."""
+    loris = open_conn(server, HEAD[:30])
+    slow_body = open_conn(server, HEAD + b"Content-Length: 100\r\n\r\n" + b'{"input": "')
+    endless = open_conn(server, HEAD + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"in\"\r\n")
+    data, took = read_all(loris)
+    assert data == b"" and took < 5, (data, took)
+    for s in (slow_body, endless):
+        data, took = read_all(s)
+        assert data.startswith(b"HTTP/1.1 408") and b"request_timeout" in data and took < 5, (data, took)
+
+
+def test_connections_per_client_are_capped(server):
+    held = [open_conn(server) for _ in range(12)]
+    try:
+        time.sleep(0.2)
+        data, took = read_all(open_conn(server))
+        assert data.startswith(b"HTTP/1.1 429") and b"rate_limited" in data and took < 2, data
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(0.3)  # released: a new connection is served
+    s = open_conn(server, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert read_all(s)[0].startswith(b"HTTP/1.1 200")
