@@ -52,9 +52,14 @@ async def index(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """Liveness: 200 while the process can serve or is still loading; 503 once the engine thread has died, so
+    the liveness probe restarts the process (readiness alone would only take it out of rotation for ever)."""
     rt: Runtime = request.app.state.runtime
-    return JSONResponse({"status": "ok", "uptime_s": round(time.time() - rt.started_at, 3),
-                         "model_loaded": rt.engine is not None, "draining": rt.draining})
+    dead = rt.engine is not None and not rt.engine_running()
+    return JSONResponse({"status": "engine_stopped" if dead else "ok",
+                         "uptime_s": round(time.time() - rt.started_at, 3), "model_loaded": rt.engine is not None,
+                         "engine_running": rt.engine is not None and not dead, "draining": rt.draining},
+                        status_code=503 if dead else 200)
 
 
 async def ready(request: Request) -> Response:

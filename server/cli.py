@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rate-limit-rps", type=float, default=0.0,
                    help="HTTP speech requests per second per API key or client address (0 = off); over it: 429")
     g.add_argument("--rate-limit-burst", type=int, default=10, help="requests a client may send at once")
+    g.add_argument("--http-head-timeout-s", type=float, default=10.0,
+                   help="a request head must arrive whole within this (slow-loris guard); else the connection closes")
+    g.add_argument("--http-body-timeout-s", type=float, default=30.0,
+                   help="a request body must arrive whole within this after its head; else 408 request_timeout")
+    g.add_argument("--max-connections-per-client", type=int, default=256,
+                   help="open HTTP connections per client address (0 = unlimited; behind a proxy every client "
+                        "shares its address: raise it or use 0)")
     g = s.add_argument_group("per-socket limits")
     g.add_argument("--max-contexts", type=int, default=lim.max_contexts)
     g.add_argument("--max-text-chars-per-message", type=int, default=lim.max_text_chars_per_message)
@@ -70,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--idle-timeout-s", type=float, default=lim.idle_timeout_s)
     g.add_argument("--context-idle-timeout-s", type=float, default=lim.context_idle_timeout_s)
     g.add_argument("--max-unsent-audio-s", type=float, default=lim.max_unsent_audio_s)
+    g.add_argument("--max-unsent-bytes", type=int, default=lim.max_unsent_bytes,
+                   help="bytes of messages and audio queued for a client that does not read; over it: 4009")
+    g.add_argument("--max-messages-per-s", type=float, default=lim.max_messages_per_s,
+                   help="client messages handled per second per socket (0 = off); a faster client is paced")
+    g.add_argument("--message-burst", type=int, default=lim.message_burst,
+                   help="messages a socket may send at once before --max-messages-per-s applies")
     g = s.add_argument_group("engine")
     g.add_argument("--max-frames", type=int, default=EngineConfig().max_frames,
                    help="frames a segment may return (sizes the KV cache)")
@@ -134,14 +147,17 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
     limits = Limits(max_contexts=a.max_contexts, max_text_chars_per_message=a.max_text_chars_per_message,
                     max_text_chars_per_context=a.max_text_chars_per_context, max_message_bytes=a.max_message_bytes,
                     idle_timeout_s=a.idle_timeout_s, context_idle_timeout_s=a.context_idle_timeout_s,
-                    max_unsent_audio_s=a.max_unsent_audio_s)
+                    max_unsent_audio_s=a.max_unsent_audio_s, max_unsent_bytes=a.max_unsent_bytes,
+                    max_messages_per_s=a.max_messages_per_s, message_burst=a.message_burst)
     cfg = ServerConfig(model=a.model, device=device, dtype=dtype, host=a.host, port=a.port, limits=limits,
                        engine=engine, api_keys=Secret(dict.fromkeys(keys)),
                        metrics_key=Secret([a.metrics_key] if a.metrics_key else []),
                        allowed_origins=_csv(a.allowed_origins), max_sessions=a.max_sessions,
                        default_voice=a.default_voice, random_seed=a.seed, cpu_threads=a.cpu_threads,
                        drain_timeout_s=a.drain_timeout_s, rate_limit_rps=a.rate_limit_rps,
-                       rate_limit_burst=a.rate_limit_burst,
+                       rate_limit_burst=a.rate_limit_burst, http_head_timeout_s=a.http_head_timeout_s,
+                       http_body_timeout_s=a.http_body_timeout_s,
+                       max_connections_per_client=a.max_connections_per_client,
                        opus_complexity=a.opus_complexity, encode_threads=a.encode_threads,
                        test_hooks=a.enable_test_hooks, log_level=a.log_level, warmup=not a.no_warmup)
     cfg.validate()
@@ -227,10 +243,15 @@ def serve(cfg: ServerConfig) -> int:
         http = "httptools"
     except ImportError:
         http = "h11"
-    from uvicorn.config import WS_PROTOCOLS
+    from uvicorn.config import HTTP_PROTOCOLS, WS_PROTOCOLS
+    from uvicorn.importer import import_from_string
+
+    from server.connections import ClientConnections, guarded_protocol
 
     ws = "websockets-sansio" if "websockets-sansio" in WS_PROTOCOLS else "websockets"
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, loop=loop, http=http, ws=ws,
+    http_protocol = guarded_protocol(import_from_string(HTTP_PROTOCOLS[http]),
+                                     ClientConnections(cfg.max_connections_per_client), cfg.http_head_timeout_s)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, loop=loop, http=http_protocol, ws=ws,
                             ws_max_size=cfg.limits.max_message_bytes, ws_per_message_deflate=False,
                             log_config=None, access_log=False, timeout_graceful_shutdown=5,
                             lifespan="on")

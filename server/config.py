@@ -22,6 +22,9 @@ class Limits:
     idle_timeout_s: float = 60.0
     context_idle_timeout_s: float = 30.0
     max_unsent_audio_s: float = 10.0
+    max_unsent_bytes: int = 8 << 20  # every outgoing byte queued for a client that does not read
+    max_messages_per_s: float = 500.0  # client messages handled per second per socket; faster ones wait
+    message_burst: int = 1000  # messages a socket may send at once before the rate applies
 
     def validate(self) -> None:
         for name in ("max_contexts", "max_text_chars_per_message", "max_text_chars_per_context"):
@@ -30,6 +33,11 @@ class Limits:
                                         f"(--{name.replace('_', '-')})")
         if self.max_message_bytes < 1024:
             raise ServerConfigError(f"max_message_bytes = {self.max_message_bytes}; it must be >= 1024")
+        if self.max_unsent_bytes < 1 << 16:
+            raise ServerConfigError(f"max_unsent_bytes = {self.max_unsent_bytes}; it must be >= 65536")
+        if self.max_messages_per_s < 0 or self.message_burst < 1:
+            raise ServerConfigError(f"max_messages_per_s = {self.max_messages_per_s}, message_burst = "
+                                    f"{self.message_burst}; use a rate >= 0 (0 = off) and a burst >= 1")
         for name in ("idle_timeout_s", "context_idle_timeout_s", "max_unsent_audio_s"):
             if getattr(self, name) <= 0:
                 raise ServerConfigError(f"{name} = {getattr(self, name)}; it must be > 0 "
@@ -63,6 +71,9 @@ class ServerConfig:
     cpu_threads: int = 0  # torch threads on the CPU; 0 = torch's default
     drain_timeout_s: float = 25.0
     http_max_body_bytes: int = 1 << 20
+    http_head_timeout_s: float = 10.0  # a request head must be complete this long after it may start
+    http_body_timeout_s: float = 30.0  # a request body must be complete this long after its head
+    max_connections_per_client: int = 256  # open HTTP connections per client address; 0 = unlimited
     rate_limit_rps: float = 0.0  # speech requests per second per API key (or client address); 0 = off
     rate_limit_burst: int = 10
     opus_complexity: int = 10
@@ -81,6 +92,12 @@ class ServerConfig:
         if self.rate_limit_rps < 0 or self.rate_limit_burst < 1:
             raise ServerConfigError(f"rate_limit_rps = {self.rate_limit_rps}, rate_limit_burst = "
                                     f"{self.rate_limit_burst}; use rps >= 0 (0 = off) and burst >= 1")
+        if self.http_head_timeout_s <= 0 or self.http_body_timeout_s <= 0:
+            raise ServerConfigError(f"http_head_timeout_s = {self.http_head_timeout_s}, http_body_timeout_s = "
+                                    f"{self.http_body_timeout_s}; both must be > 0")
+        if self.max_connections_per_client < 0:
+            raise ServerConfigError(f"max_connections_per_client = {self.max_connections_per_client}; use 0 "
+                                    "(unlimited) or more")
         if self.drain_timeout_s < 0:
             raise ServerConfigError(f"drain_timeout_s = {self.drain_timeout_s}; it must be >= 0")
         if not 0 <= self.opus_complexity <= 10:

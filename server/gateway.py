@@ -31,9 +31,12 @@ from server.protocol import (
     PROTOCOL_VERSION,
     SUBPROTOCOL,
     ProtocolError,
+    is_unicode,
+    is_valid_id,
     parse_json_object,
     ws_error,
 )
+from server.ratelimit import RateLimiter
 from server.runtime import Runtime
 from server.ws_context import WsContext, dumps
 from server.ws_handlers import MessageHandlers
@@ -68,19 +71,32 @@ class WsSession(MessageHandlers):
         if msg.get("type") == "error":
             self.runtime.metrics.errors.inc("ws", msg["code"])
         self.out.put(OutItem(dumps(msg)))
+        self.check_unsent()
 
     def error(self, exc: ProtocolError, *, context_id: str | None = None, event_id: Any = None) -> None:
         self.send(ws_error(exc.code, exc.message, context_id=exc.context_id or context_id, event_id=event_id,
                            param=exc.param))
 
     def check_unsent(self) -> None:
-        if self.out.unsent_s > self.limits.max_unsent_audio_s and not self.ending:
-            self.runtime.metrics.slow_readers.inc()
-            log.warning("session %s: %.1f s of audio unsent (limit %.1f s): slow reader, closing with 4009",
-                        self.id, self.out.unsent_s, self.limits.max_unsent_audio_s)
-            self.end(ERRORS["slow_reader"].close_code, "slow reader: unsent audio over max_unsent_audio_s",
-                     error=ws_error("slow_reader", f"over {self.limits.max_unsent_audio_s:g} s of audio waited to be "
-                                    "sent (limits.max_unsent_audio_s): read faster"), immediate=True)
+        """A client that does not read ends with 4009 before what waits for it passes either bound."""
+        if self.ending:
+            return
+        lim = self.limits
+        if self.out.unsent_s > lim.max_unsent_audio_s:
+            what = f"{self.out.unsent_s:.1f} s of audio unsent (limit {lim.max_unsent_audio_s:g} s)"
+            reason = "slow reader: unsent audio over max_unsent_audio_s"
+            message = (f"over {lim.max_unsent_audio_s:g} s of audio waited to be sent (limits.max_unsent_audio_s): "
+                       "read faster")
+        elif self.out.unsent_bytes > lim.max_unsent_bytes:
+            what = f"{self.out.unsent_bytes} bytes unsent (limit {lim.max_unsent_bytes})"
+            reason = "slow reader: unsent bytes over max_unsent_bytes"
+            message = (f"over {lim.max_unsent_bytes} bytes waited to be sent (limits.max_unsent_bytes): read what "
+                       "the server sends")
+        else:
+            return
+        self.runtime.metrics.slow_readers.inc()
+        log.warning("session %s: %s: slow reader, closing with 4009", self.id, what)
+        self.end(ERRORS["slow_reader"].close_code, reason, error=ws_error("slow_reader", message), immediate=True)
 
     def end(self, code: int, reason: str, *, error: dict | None = None, immediate: bool = False) -> None:
         """Close the session: queue (or, when `immediate`, put first after dropping everything queued) an
@@ -114,7 +130,9 @@ class WsSession(MessageHandlers):
                     finally:
                         self.finished.set()
                     return
-                data = item.data if item.render is None else item.render()
+                data = self._wire(item)
+                if data is None:
+                    continue
                 try:
                     if isinstance(data, bytes):
                         await self.ws.send_bytes(data)
@@ -130,6 +148,27 @@ class WsSession(MessageHandlers):
             log.exception("session %s: emit task failed", self.id)
         finally:
             self.finished.set()
+
+    def _wire(self, item: OutItem) -> bytes | str | None:
+        """The bytes or text of one queued message, or None when it cannot be written (a render that fails, text
+        that is not valid Unicode): that message is dropped, its context ends with `internal`, and the socket and
+        every other context go on."""
+        try:
+            data = item.data if item.render is None else item.render()
+            if isinstance(data, str) and not is_unicode(data):
+                raise ValueError("the message is not valid Unicode")
+            return data
+        except Exception as exc:  # noqa: BLE001 - one bad message must never end the session
+            self.out.sent(item)
+            log.exception("session %s: an outgoing message could not be written; dropped", self.id)
+            owner = item.owner
+            cid = owner.id if owner is not None and is_valid_id(owner.id) else None
+            if owner is not None and not owner.ended:
+                owner.fail(f"an outgoing message could not be written ({type(exc).__name__})")
+            else:
+                self.send(ws_error("internal", f"server error: an outgoing message could not be written "
+                                   f"({type(exc).__name__}) and was dropped", context_id=cid))
+            return None
 
     # ------------------------------------------------------------------ life cycle
     async def run(self) -> None:
@@ -162,7 +201,9 @@ class WsSession(MessageHandlers):
                 if self.ending and not self.finished.is_set():
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self.finished.wait(), CLOSE_GRACE_S)
-                emit.cancel()
+                if not emit.done():  # still writing: the client does not read, and a close would wait on it
+                    emit.cancel()
+                    abort_transport(self.ws, self.id)
             rt.sessions.discard(self)
             rt.metrics.sessions.dec()
             rt.metrics.sessions_total.inc(str(self.close_code or "client"))
@@ -177,7 +218,9 @@ class WsSession(MessageHandlers):
                   "max_message_bytes": self.limits.max_message_bytes, "max_frames": rt.max_frames,
                   "idle_timeout_s": self.limits.idle_timeout_s,
                   "context_idle_timeout_s": self.limits.context_idle_timeout_s,
-                  "max_unsent_audio_s": self.limits.max_unsent_audio_s}
+                  "max_unsent_audio_s": self.limits.max_unsent_audio_s,
+                  "max_unsent_bytes": self.limits.max_unsent_bytes,
+                  "max_messages_per_s": self.limits.max_messages_per_s}
         return {"type": "session.created", "session_id": self.id, "protocol": PROTOCOL_VERSION, "model": info.name,
                 "limits": limits, "defaults": self.defaults.to_dict(rt.sampling_base),
                 "voices": [{"name": v.name, "languages": list(v.languages)} for v in info.voices],
@@ -216,9 +259,13 @@ class WsSession(MessageHandlers):
                     self.end(CLOSE_GOING_AWAY, "server draining")
                     return
                 if rt.drain_deadline is not None and now > rt.drain_deadline:
+                    log.warning("session %s: drain deadline: cancelling %d context(s) still open", self.id,
+                                len(self.contexts))
                     for ctx in list(self.contexts.values()):
                         ctx.cancel(None, None)
-                    self.end(CLOSE_GOING_AWAY, "server draining")
+                    self.end(CLOSE_GOING_AWAY, "server draining: deadline passed",
+                             error=ws_error("overloaded", "the server's drain deadline passed: its open contexts were "
+                                            "cancelled; reconnect to another server", fatal=True))
                     return
             elif not self.contexts and now - self.last_client_activity > self.limits.idle_timeout_s:
                 log.info("session %s idle for %.0f s: closing with 4008", self.id, self.limits.idle_timeout_s)
@@ -228,7 +275,18 @@ class WsSession(MessageHandlers):
 
     # ------------------------------------------------------------------ input
     async def _receive(self) -> None:
+        pace = RateLimiter(self.limits.max_messages_per_s, self.limits.message_burst)
+        paced = False
         while True:
+            # yield between messages (a queued message is returned without suspending), so one socket's burst
+            # never holds the event loop; past the rate, wait for the next token (the client is paced by TCP)
+            await asyncio.sleep(0)
+            while (wait := pace.acquire(self.id)) > 0:
+                if not paced:
+                    paced = True
+                    self.runtime.metrics.rejections.inc("ws", "message_rate")
+                    log.info("session %s: over %g messages/s: pacing its messages", self.id, pace.rps)
+                await asyncio.sleep(wait)
             message = await self.ws.receive()
             if message["type"] == "websocket.disconnect":
                 if self.close_code is None:
@@ -268,6 +326,19 @@ class WsSession(MessageHandlers):
         m.contexts.inc("ws", reason)
         ctx.log.info("context %s ended: %s (frames %d, generated %.0f ms, sent %.0f ms)", ctx.id, reason,
                      ctx.frames, ctx.generated_samples / 24.0, ctx.sent_end_ms)
+
+
+def abort_transport(ws: WebSocket, session_id: str) -> None:
+    """Drop the TCP connection of a client that does not read. A graceful close would flush the transport's
+    buffer first, which such a client never lets happen, so its file descriptor would stay open. Reaches the
+    uvicorn protocol behind the ASGI `receive` callable; where there is none, the server's own close applies."""
+    protocol = getattr(getattr(ws, "_receive", None), "__self__", None)
+    transport = getattr(protocol, "transport", None)
+    if transport is not None and hasattr(transport, "abort"):
+        log.info("session %s: the client does not read: connection aborted", session_id)
+        transport.abort()
+    else:
+        log.warning("session %s: the client does not read, and its transport cannot be aborted", session_id)
 
 
 # ---------------------------------------------------------------------------------------------------- endpoint

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from engine.api import SAMPLE_RATE, AudioChunk, ContextDone, ContextSpec, EngineError, Overloaded, SegmentDone
@@ -32,6 +32,7 @@ from server.options import SAMPLING_FIELDS, ContextOptions, resolve_context_opti
 from server.protocol import (
     ERRORS,
     ProtocolError,
+    check_unicode,
     get_bool,
     get_number,
     get_str,
@@ -39,7 +40,7 @@ from server.protocol import (
     parse_json_object,
 )
 from server.runtime import Runtime
-from server.textpipe import encode_whole
+from server.textpipe import encode_segments
 
 log = logging.getLogger("voicelane.http")
 RESPONSE_FORMATS = ("mp3", "pcm", "wav", "opus")
@@ -48,6 +49,12 @@ TOP_LEVEL_SAMPLING = (*SAMPLING_FIELDS, "subtalker")
 RETRY_AFTER_S = "1"
 ENGINE_CHECK_S = 2.0
 BACKLOG_CHECK_S = 0.2
+
+
+def segment_budget(max_frames: int) -> int:
+    """Estimated frames of text per segment: half the frames a segment may make, so that long input is spoken
+    whole (each segment has its own max_frames) with room for slow speech."""
+    return max(8, max_frames // 2)
 
 
 def error_response(code: str, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -80,6 +87,7 @@ class SpeechRequest:
 
 
 def parse_speech(obj: dict, rt: Runtime) -> SpeechRequest:
+    check_unicode(obj)  # every field and key, `model` and `sampling` keys included
     text = obj.get("input")
     if not isinstance(text, str):
         raise ProtocolError("invalid_field", "'input' (the text to speak) must be a string", "input")
@@ -133,13 +141,22 @@ def parse_speech(obj: dict, rt: Runtime) -> SpeechRequest:
     return SpeechRequest(text, opts, fmt, True if stream is None else stream, stream_format)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, at most `limit` bytes, whole within `timeout_s` (a slow or never-ending body is 408)."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ProtocolError("text_too_long", f"request body over {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ProtocolError("text_too_long", f"request body over {limit} bytes")
+                chunks.append(chunk)
+    except ClientDisconnect:  # an aborted upload: nobody to answer, nothing worth an ERROR traceback
+        log.info("client left during its request body (%d bytes read)", size)
+        raise ProtocolError("invalid_json", "the request body ended early: the client disconnected") from None
+    except TimeoutError:
+        raise ProtocolError("request_timeout", f"the request body did not arrive within {timeout_s:g} s "
+                            "(--http-body-timeout-s)") from None
     return b"".join(chunks)
 
 
@@ -163,10 +180,13 @@ async def speech(request: Request) -> Response:
             return error_response("rate_limited", f"over {limiter.rps:g} requests/s (burst {limiter.burst}); retry "
                                   f"in {wait:.1f} s", headers={"Retry-After": limiter.retry_after(wait)})
     try:
-        obj = parse_json_object(await read_body(request, rt.config.http_max_body_bytes))
+        obj = parse_json_object(await read_body(request, rt.config.http_max_body_bytes,
+                                                rt.config.http_body_timeout_s))
         req = parse_speech(obj, rt)
-        ids, words = encode_whole(rt.tokenizer, req.text, req.options.text_normalization)
-        if not ids:
+        segments = encode_segments(rt.tokenizer, req.text, req.options.text_normalization,
+                                   segment_budget(rt.sampling_base.max_frames))
+        n_tokens = sum(len(ids) for ids, _ in segments)
+        if not n_tokens:
             raise ProtocolError("invalid_field", "'input' has nothing to speak after text normalisation", "input")
         instruction_ids = None
         if req.options.instructions is not None:
@@ -197,17 +217,21 @@ async def speech(request: Request) -> Response:
             rt.metrics.rejections.inc("http", "overloaded")
         return error_response(code, str(exc), exc.param)
     try:
-        ectx.append_text(ids)
+        for i, (ids, words) in enumerate(segments):
+            ectx.append_text(ids)
+            if i < len(segments) - 1:
+                ectx.flush(words)
+            else:
+                ectx.close(words)
     except EngineError as exc:  # e.g. whole-layout text longer than the prompt may be
         ectx.cancel()
         rt.metrics.errors.inc("http", exc.code)
         return error_response(exc.code if exc.code in ERRORS else "internal", str(exc), exc.param)
-    ectx.close(words)
     clog = context_logger(trace_id)
-    clog.info("speech request: %d characters, %d tokens, voice %s, %s%s, seed %d", len(req.text), len(ids),
-              req.options.voice, req.response_format, " (sse)" if req.stream_format == "sse" else "",
-              req.options.sampling.seed)
-    return SpeechStream(rt, req, ectx, audio, trace_id, len(ids), t0)
+    clog.info("speech request: %d characters, %d tokens in %d segment(s), voice %s, %s%s, seed %d", len(req.text),
+              n_tokens, len(segments), req.options.voice, req.response_format,
+              " (sse)" if req.stream_format == "sse" else "", req.options.sampling.seed)
+    return SpeechStream(rt, req, ectx, audio, trace_id, n_tokens, t0)
 
 
 async def _no_receive():
@@ -235,6 +259,7 @@ class SpeechStream(Response):
         self.first_sent = False
         self.started = False  # response headers sent
         self.reason = "cancelled"
+        self.segment_cut = False  # a segment ended at max_frames
         self.background = None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -246,10 +271,14 @@ class SpeechStream(Response):
         watcher = asyncio.create_task(_wait_disconnect(receive))
         backlog = asyncio.create_task(self._watch_backlog())
         worker = asyncio.create_task(self._run(send))
+        drain = asyncio.create_task(rt.drain_expired.wait())
         try:
-            done, _ = await asyncio.wait({watcher, backlog, worker}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({watcher, backlog, worker, drain}, return_when=asyncio.FIRST_COMPLETED)
             if worker not in done:
-                if backlog in done:
+                if drain in done and watcher not in done:
+                    self.log.warning("drain deadline: cutting this stream after %d frames", self.frames)
+                    self.reason = "drained"
+                elif backlog in done:
                     self.log.warning("slow reader: over %g s of audio waited to be sent; closing",
                                      rt.limits.max_unsent_audio_s)
                     self.reason = "slow_reader"
@@ -262,6 +291,8 @@ class SpeechStream(Response):
                     await worker
                 except (asyncio.CancelledError, Exception):  # noqa: BLE001
                     pass
+                if self.reason == "drained":
+                    await self._end_drained(send)
             else:
                 exc = worker.exception()
                 if exc is not None and not isinstance(exc, OSError | ConnectionError):
@@ -271,8 +302,8 @@ class SpeechStream(Response):
                         rt.metrics.errors.inc("http", "internal")
                         await error_response("internal", f"synthesis stopped: {exc}")(scope, _no_receive, send)
         finally:
-            watcher.cancel()
-            backlog.cancel()
+            for task in (watcher, backlog, drain):
+                task.cancel()
             if not self.ectx.ended:
                 self.ectx.cancel()
             rt.http_streams -= 1
@@ -280,6 +311,19 @@ class SpeechStream(Response):
             rt.metrics.contexts.inc("http", self.reason)
             self.log.info("speech request ended: %s, %d frames, %.0f ms of audio in %.0f ms", self.reason,
                           self.frames, self.audio.audio_ms, (time.monotonic() - self.t0) * 1000)
+
+    async def _end_drained(self, send) -> None:
+        """The drain deadline cut this request: a response not yet begun is a retryable 503; one under way ends
+        cleanly (the chunked body is terminated), an SSE one with its done event, reason `drained`."""
+        if not self.started:
+            self.rt.metrics.errors.inc("http", "overloaded")
+            await error_response("overloaded", "the server is draining and its deadline passed before this request "
+                                 "finished; retry on another server")(self.scope, _no_receive, send)
+            return
+        tail = b""
+        if self.req.stream_format == "sse":
+            tail = f"data: {json.dumps(self._sse_done())}\n\n".encode()
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _watch_backlog(self) -> None:
         """Returns when audio made for this request waits unsent longer than max_unsent_audio_s: the client
@@ -331,6 +375,8 @@ class SpeechStream(Response):
                 self.codes.update(ev.codes.astype("<i8", copy=False).tobytes())
                 yield await loop.run_in_executor(pool, self.audio.process, ev.pcm), None
             elif isinstance(ev, SegmentDone):
+                if ev.reason == "max_frames":  # a segment cut short: the response says so even if later ones end
+                    self.segment_cut = True
                 yield await loop.run_in_executor(pool, self.audio.end_segment), None
             elif isinstance(ev, ContextDone):
                 if ev.reason == "error":
@@ -338,6 +384,10 @@ class SpeechStream(Response):
                     return
                 yield await loop.run_in_executor(pool, self.audio.finish), ev
                 return
+
+    def _finish_reason(self, done: ContextDone | None) -> str:
+        reason = done.reason if done is not None else "completed"
+        return "max_frames" if reason == "completed" and self.segment_cut else reason
 
     def _error_json(self, ev: ContextDone) -> Response:
         code = ev.error_code if ev.error_code in ("synthesis_failed", "internal") else "synthesis_failed"
@@ -385,7 +435,7 @@ class SpeechStream(Response):
                 body = (f"data: {json.dumps({'type': 'speech.audio.delta', 'audio': base64.b64encode(data).decode()})}"
                         "\n\n").encode() if sse else data
                 await send({"type": "http.response.body", "body": body, "more_body": True})
-        self.reason = done_ev.reason if done_ev is not None else "completed"
+        self.reason = self._finish_reason(done_ev)
         self.rt.metrics.audio_seconds.inc("http", amount=self.audio.audio_ms / 1000.0)
         tail = b""
         if sse:
@@ -396,6 +446,7 @@ class SpeechStream(Response):
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _whole(self, send) -> None:
+        head = self.audio.header()  # before any audio: Ogg writes its header pages first, once
         parts: list[bytes] = []
         done_ev = None
         async for data, ev in self._events():
@@ -404,12 +455,12 @@ class SpeechStream(Response):
                 return await self._error_json(ev)(self.scope, _no_receive, send)
             parts.append(data)
             done_ev = ev or done_ev
-        self.reason = done_ev.reason if done_ev is not None else "completed"
+        self.reason = self._finish_reason(done_ev)
         body = b"".join(parts)
         if self.req.response_format == "wav":  # exact sizes: the length is known
             body = wav_header(24000, num_samples=len(body) // 2) + body
         else:
-            body = self.audio.header() + body
+            body = head + body
         self.rt.metrics.audio_seconds.inc("http", amount=self.audio.audio_ms / 1000.0)
         headers = self._headers(self.audio.content_type) + [
             (b"content-length", str(len(body)).encode()), (b"x-codes-sha256", self.codes.hexdigest().encode()),
@@ -420,6 +471,7 @@ class SpeechStream(Response):
                     f"\n\ndata: {json.dumps(self._sse_done())}\n\n").encode()
             headers = [h for h in self._headers("text/event-stream")] + [(b"content-length", str(len(body)).encode())]
         self._note_audio(body)
+        self.started = True
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 

@@ -156,7 +156,7 @@ def validate_sampling(base: SamplingParams, overrides: dict[str, Any], param: st
         return base.with_overrides(**{k: v for k, v in overrides.items() if v is not None})
     except SamplingError as exc:
         text = str(exc)
-        head = text.split(" = ", 1)[0].strip()
+        head = text.split(" = ", 1)[0].split(" ", 1)[0].strip()  # "top_p = 2 ..." or "min_frames 2 > ..."
         field_name = head if head in _PARAM_NAMES.values() or head in ("min_frames", "max_frames") else None
         p = param if field_name is None else (field_name if field_name.endswith("_frames") else f"{param}.{field_name}")
         raise ProtocolError("invalid_field", text, p) from None
@@ -293,6 +293,8 @@ def resolve_context_options(obj: dict, defaults: Defaults, catalog: Catalog, bas
         over["max_frames"] = max_frames
     if min_frames is not None:
         over["min_frames"] = min_frames
+    elif max_frames is not None and base.min_frames > max_frames:
+        over["min_frames"] = max_frames  # a default never contradicts an explicit valid max_frames
     seed_given = over.get("seed") is not None
     if not seed_given:
         over["seed"] = draw_seed()

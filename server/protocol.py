@@ -50,6 +50,7 @@ ERRORS: dict[str, ErrorKind] = {
     "unauthorized": ErrorKind(401, "authentication_error", fatal=True, close_code=4001),
     "origin_not_allowed": ErrorKind(403, "permission_error", fatal=True, close_code=4003),
     "idle_timeout": ErrorKind(408, "invalid_request_error", fatal=True, close_code=4008),
+    "request_timeout": ErrorKind(408, "invalid_request_error"),  # HTTP only: the body came too slowly
     "slow_reader": ErrorKind(400, "invalid_request_error", fatal=True, close_code=4009),
     "too_many_sessions": ErrorKind(429, "rate_limit_error", retryable=True, fatal=True, close_code=4029),
     "not_ready": ErrorKind(503, "overloaded_error", retryable=True, fatal=True, close_code=1013),
@@ -134,11 +135,57 @@ def is_number(v: Any) -> bool:
 
 
 def check_utf8(text: str, param: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ProtocolError("invalid_field", f"'{param}' has a lone surrogate (not valid Unicode)", param) from None
+    if not is_unicode(text):
+        raise ProtocolError("invalid_field", f"'{param}' has a lone surrogate (not valid Unicode)", param)
     return text
+
+
+def is_unicode(s: str) -> bool:
+    """False for a string holding a lone surrogate (JSON lets `\\ud800` through; UTF-8 cannot carry it)."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path(parent: str, part: str) -> str:
+    return f"{parent}.{part}" if parent else part
+
+
+def lone_surrogate_path(obj: Any) -> str | None:
+    """Where the first lone surrogate of a parsed JSON message sits: a field path ("sampling.top_k", "a[2]"), the
+    path of the object whose key holds it, or None. The path only names keys that are valid Unicode themselves,
+    so it can be echoed safely."""
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if not is_unicode(v):
+                return path or "(message)"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if not is_unicode(k):
+                    return path or "(message)"
+                stack.append((_path(path, k[:64]), item))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+    return None
+
+
+def check_unicode(obj: Any) -> None:
+    """ProtocolError(invalid_field) naming the field when any string or key of `obj` holds a lone surrogate:
+    every string the server may echo is checked where it enters."""
+    path = lone_surrogate_path(obj)
+    if path is not None:
+        raise ProtocolError("invalid_field", f"'{path}' has a lone surrogate (not valid Unicode)", path)
+
+
+def is_valid_id(v: Any) -> bool:
+    """A protocol id that may be echoed: a non-empty string of at most 128 code points, valid Unicode."""
+    return isinstance(v, str) and 0 < len(v) <= MAX_ID_CHARS and is_unicode(v)
 
 
 def get_id(obj: dict, name: str, *, required: bool = True) -> str | None:
@@ -272,6 +319,9 @@ def parse_played_map(v: Any) -> dict[str, float]:
                             "played")
     out = {}
     for k, ms in v.items():
+        if not is_valid_id(k):
+            raise ProtocolError("invalid_field", f"'played' keys must be context ids (1..{MAX_ID_CHARS} characters, "
+                                f"valid Unicode); got {k[:64]!r}", "played")
         if not is_number(ms) or ms < 0:
             raise ProtocolError("invalid_field", f"'played.{k[:64]}' must be a number >= 0", "played")
         out[k] = float(ms)

@@ -47,6 +47,7 @@ class Runtime:
         self.http_streams = 0
         self.draining = False
         self.drain_deadline: float | None = None
+        self.drain_expired = asyncio.Event()  # set at the drain deadline: HTTP streams still running are cut
         self.load_error: str | None = None
         self.loading = False
         self.started_at = time.time()
@@ -143,6 +144,8 @@ class Runtime:
 
     # ------------------------------------------------------------------ draining
     def start_drain(self) -> None:
+        """On the event loop: refuse new work, let work in flight finish until the deadline, then cut it (each
+        WebSocket session at its next tick, each HTTP stream through `drain_expired`)."""
         if self.draining:
             return
         self.draining = True
@@ -151,6 +154,13 @@ class Runtime:
                  len(self.sessions), self.http_streams, self.config.drain_timeout_s)
         for s in list(self.sessions):
             s.on_drain(self.config.drain_timeout_s)
+        asyncio.get_running_loop().call_later(self.config.drain_timeout_s, self._drain_deadline)
+
+    def _drain_deadline(self) -> None:
+        if self.http_streams or self.sessions:
+            log.warning("drain deadline: cutting %d HTTP stream(s) and %d WebSocket session(s) still in flight",
+                        self.http_streams, len(self.sessions))
+        self.drain_expired.set()
 
     def drained(self) -> bool:
         return not self.sessions and self.http_streams == 0

@@ -16,6 +16,7 @@ then: "Hello " gives the ids of "Hello" at once, as the tokenizer alone would.
 
 from __future__ import annotations
 
+import re
 import unicodedata
 
 from engine.text.tokenizer import TextTokenizer
@@ -98,3 +99,74 @@ def encode_whole(tokenizer: TextTokenizer, text: str, normalization: str = "llm"
     ids = p.feed(text)
     rest, words = p.finish()
     return ids + rest, words
+
+
+# A sentence ends at . ! ? ; or a line break followed by whitespace, or right after CJK full stops.
+_SENTENCE_END = re.compile(r"(?<=[.!?;…\n])\s+|(?<=[。！？；])")
+_WIDE = re.compile(r"[\u1100-\u11ff\u2e80-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef]")
+
+
+def estimated_frames(text: str) -> int:
+    """A generous guess of the frames a text takes to speak (12.5 frames/s): a CJK or Hangul character about
+    3 (4-5 per second are spoken), anything else about 1 (about 15 per second)."""
+    wide = len(_WIDE.findall(text))
+    return 3 * wide + (len(text) - wide)
+
+
+def split_sentences(text: str, budget: int) -> list[str]:
+    """`text` cut into pieces of at most `budget` estimated frames, at sentence ends where possible, else at
+    spaces, else anywhere; joined back they give `text` exactly."""
+    pieces: list[str] = []
+    for sentence in (s for s in _split_keep(text, _SENTENCE_END) if s):
+        if estimated_frames(sentence) <= budget:
+            pieces.append(sentence)
+            continue
+        for word in _split_keep(sentence, re.compile(r"(?<=\s)(?=\S)")):
+            while estimated_frames(word) > budget:
+                cut = max(1, _prefix_within(word, budget))
+                pieces.append(word[:cut])
+                word = word[cut:]
+            pieces.append(word)
+    out: list[str] = []
+    for piece in pieces:  # pack whole pieces into segments
+        if out and estimated_frames(out[-1]) + estimated_frames(piece) <= budget:
+            out[-1] += piece
+        else:
+            out.append(piece)
+    return out
+
+
+def _split_keep(text: str, pattern: re.Pattern) -> list[str]:
+    """Split after each match, keeping every character (the separators stay at the end of their piece)."""
+    out, start = [], 0
+    for m in pattern.finditer(text):
+        if m.end() > start:
+            out.append(text[start:m.end()])
+            start = m.end()
+    out.append(text[start:])
+    return out
+
+
+def _prefix_within(word: str, budget: int) -> int:
+    n = 0
+    for i, ch in enumerate(word):
+        n += estimated_frames(ch)
+        if n > budget:
+            return i
+    return len(word)
+
+
+def encode_segments(tokenizer: TextTokenizer, text: str, normalization: str, budget: int
+                    ) -> list[tuple[list[int], int]]:
+    """A long text as consecutive segments (ids, words) of at most `budget` estimated frames each, on one text
+    pipeline with a flush between them - what a WebSocket client does when it flushes at sentence ends. A text
+    within the budget is one segment, exactly encode_whole's."""
+    pieces = split_sentences(text, budget)
+    p = TextPipeline(tokenizer, normalization)
+    out = []
+    for i, piece in enumerate(pieces):
+        ids = p.feed(piece)
+        rest, words = p.finish(closing=i == len(pieces) - 1)
+        if ids or rest:
+            out.append((ids + rest, words))
+    return out

@@ -166,11 +166,18 @@ class WsContext:
             raise
         except Exception as exc:  # noqa: BLE001 - a server fault ends this context only
             self.log.exception("context %s failed in the server", self.id)
-            if not self.ended:
-                self.ectx.cancel()
-                self.session.send(ws_error("internal", f"server error while streaming this context: "
-                                           f"{type(exc).__name__}", context_id=self.id))
-                self._end_message("error")
+            self.fail(f"server error while streaming this context: {type(exc).__name__}")
+
+    def fail(self, message: str) -> None:
+        """A server fault in this context: stop its engine work, answer `internal` and end it with reason error;
+        the session and its other contexts go on."""
+        if self.ended:
+            return
+        self.ectx.cancel()
+        if self.task is not None and self.task is not asyncio.current_task():
+            self.task.cancel()
+        self.session.send(ws_error("internal", message, context_id=self.id))
+        self._end_message("error")
 
     def _send_packets(self, packets: list[StreamPacket], last: bool = False) -> None:
         if not packets and last and self.seq > 0 and not self.last_sent:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.api import ContextSpec, EngineError, Overloaded
 from server.audio.stream import WsAudioStream
@@ -16,14 +16,15 @@ from server.options import ContextOptions, resolve_context_options
 from server.protocol import (
     CLOSE_NORMAL,
     ERRORS,
-    MAX_ID_CHARS,
     PLAYBACK_STATES,
     ProtocolError,
+    check_unicode,
     get_bool,
     get_flush_id,
     get_id,
     get_number,
     get_str,
+    is_valid_id,
     parse_envelope,
     parse_played_map,
     ws_error,
@@ -32,15 +33,8 @@ from server.protocol import (
 from server.textpipe import TextPipeline
 from server.ws_context import WsContext
 
-if TYPE_CHECKING:
-    pass
-
 log = logging.getLogger("voicelane.gateway")
 FAULT_KINDS = ("exception", "nan", "internal")
-
-
-def _valid_id(v: Any) -> bool:
-    return isinstance(v, str) and 0 < len(v) <= MAX_ID_CHARS
 
 
 class MessageHandlers:
@@ -48,9 +42,11 @@ class MessageHandlers:
     and never block: engine calls only change scheduler state."""
 
     def handle(self, obj: dict) -> None:
-        event_id = obj.get("event_id") if _valid_id(obj.get("event_id")) else None
-        context_id = obj.get("context_id") if _valid_id(obj.get("context_id")) else None
+        # only ids that are valid may be echoed on the error (a lone surrogate cannot be written as UTF-8)
+        event_id = obj.get("event_id") if is_valid_id(obj.get("event_id")) else None
+        context_id = obj.get("context_id") if is_valid_id(obj.get("context_id")) else None
         try:
+            check_unicode(obj)
             env = parse_envelope(obj)
             getattr(self, "on_" + env.type.replace(".", "_"))(env.body, env.event_id)
         except ProtocolError as exc:

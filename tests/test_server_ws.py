@@ -34,7 +34,7 @@ def test_session_created(server):
         assert s["protocol"] == "voicelane/1" and s["session_id"] and s["model"]
         assert set(s["limits"]) == {"max_contexts", "max_text_chars_per_message", "max_text_chars_per_context",
                                     "max_message_bytes", "max_frames", "idle_timeout_s", "context_idle_timeout_s",
-                                    "max_unsent_audio_s"}
+                                    "max_unsent_audio_s", "max_unsent_bytes", "max_messages_per_s"}
         assert s["limits"]["max_contexts"] == 8 and s["limits"]["max_message_bytes"] == 65536
         assert s["limits"]["max_frames"] == 64
         d = s["defaults"]
