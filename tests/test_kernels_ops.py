@@ -169,3 +169,15 @@ def test_cache_attention_refuses_shapes_it_cannot_run():
     with pytest.raises(ValueError, match="k/v caches differ"):
         ka.cache_attention(torch.randn(1, 1, 4, 32), cache, cache[:, :, :4], torch.zeros(1, dtype=torch.int64),
                            torch.zeros(1, 1, dtype=torch.int64))
+
+
+def test_gpu_check_script_runs_its_kernel_checks_on_the_cpu(tmp_path):
+    """The GPU check script's own logic (cases, error measure, table, JSON), at its smoke sizes."""
+    import json
+
+    from engine.tools.gpu_check_kernels import main
+
+    assert main([str(tmp_path), "--smoke", "--no-model", "--model", "random:tiny"]) == 0
+    rows = json.loads((tmp_path / "gpu_check_kernels.json").read_text())["kernels_checked"]
+    assert {r["kernel"] for r in rows} == {"add_rms_norm", "swiglu", "qk_norm_rope_store", "cache_attention"}
+    assert all(r["ok"] and r["rel_err"] < 4e-3 for r in rows)

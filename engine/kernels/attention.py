@@ -179,7 +179,7 @@ def _cache_attention_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, slots_ptr, pos_ptr, 
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * s_qb + t[:, None] * s_qt + head[:, None] * s_qh + d[None, :], mask=row_ok[:, None],
                 other=0.0)
-    limit = tl.load(pos_ptr + b * s_pb + t * s_pt, mask=row_ok, other=-1) + 1  # columns each row may read
+    limit = (tl.load(pos_ptr + b * s_pb + t * s_pt, mask=row_ok, other=-1) + 1).to(tl.int32)  # columns to read
     if HAS_VALID:
         limit = tl.minimum(limit, tl.load(valid_ptr + b))
     limit = tl.where(row_ok, limit, 0)
@@ -235,9 +235,10 @@ def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, 
 
 
 def cache_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor,
-                              valid_len: Tensor | None = None) -> Tensor:
-    """The PyTorch path (gathered keys and values, a mask, engine.model.layers.attention); same contract."""
-    S = int(positions.max()) + 1
+                              valid_len: Tensor | None = None, kv_len: int | None = None) -> Tensor:
+    """The PyTorch path (gathered keys and values, a mask, engine.model.layers.attention); same contract.
+    kv_len: columns gathered (> every position), as the model's bucket gives it; None: read from positions."""
+    S = kv_len if kv_len is not None else int(positions.max()) + 1
     cols = torch.arange(S, device=q.device)
     allowed = cols[None, None, :] <= positions[:, :, None]  # [B, T, S]
     if valid_len is not None:
