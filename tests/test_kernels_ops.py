@@ -113,8 +113,9 @@ def _poison_unread(cache, slots, positions):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", CASES)
-def test_cache_attention_reads_only_each_rows_own_columns(dtype, case):
+@pytest.mark.parametrize(("case", "splits"), [(c, 1) for c in CASES] + [(CASES[0], 4), (CASES[1], 3), (CASES[2], 2)])
+def test_cache_attention_reads_only_each_rows_own_columns(dtype, case, splits):
+    """splits > 1: the decode path that splits each row's columns over several programs (some of them empty)."""
     B, T, H, Hkv, D, S, L = case
     g = torch.Generator().manual_seed(B * 10 + T)
     q, k_cache, v_cache = _attention_case(g, B, T, H, Hkv, D, S, L, dtype)
@@ -126,9 +127,20 @@ def test_cache_attention_reads_only_each_rows_own_columns(dtype, case):
     positions = start + torch.arange(T)
     want = ka.cache_attention_reference(q, k_cache, v_cache, slots, positions)
     got = ka.cache_attention(q, _poison_unread(k_cache, slots, positions), _poison_unread(v_cache, slots, positions),
-                             slots, positions)
+                             slots, positions, splits=splits)
     assert got.shape == (B, T, H, D) and torch.isfinite(got).all()
     _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 4])
+def test_cache_attention_split_columns_merge_exactly(splits):
+    """Long rows spread over several non-empty splits (blocks of 64 columns), a short row over one."""
+    g = torch.Generator().manual_seed(splits)
+    q, k_cache, v_cache = _attention_case(g, 3, 1, 4, 2, 32, 4, 300, torch.float32)
+    slots = torch.tensor([3, 0, 1])
+    positions = torch.tensor([[299], [130], [0]])
+    want = ka.cache_attention_reference(q, k_cache, v_cache, slots, positions)
+    _close(ka.cache_attention(q, k_cache, v_cache, slots, positions, splits=splits), want, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -156,9 +168,9 @@ def test_cache_attention_padded_batch_rows_share_a_scratch_slot():
     q, k_cache, v_cache = _attention_case(g, 4, 1, 4, 2, 32, 5, 20, torch.float32)
     slots = torch.tensor([1, 3, 4, 4])
     positions = torch.tensor([[7], [0], [0], [0]])
-    got = ka.cache_attention(q, k_cache, v_cache, slots, positions)
     want = ka.cache_attention_reference(q, k_cache, v_cache, slots, positions)
-    _close(got, want, torch.float32)
+    for splits in (1, 4):
+        _close(ka.cache_attention(q, k_cache, v_cache, slots, positions, splits=splits), want, torch.float32)
 
 
 def test_cache_attention_refuses_shapes_it_cannot_run():
@@ -169,3 +181,15 @@ def test_cache_attention_refuses_shapes_it_cannot_run():
     with pytest.raises(ValueError, match="k/v caches differ"):
         ka.cache_attention(torch.randn(1, 1, 4, 32), cache, cache[:, :, :4], torch.zeros(1, dtype=torch.int64),
                            torch.zeros(1, 1, dtype=torch.int64))
+
+
+def test_gpu_check_script_runs_its_kernel_checks_on_the_cpu(tmp_path):
+    """The GPU check script's own logic (cases, error measure, table, JSON), at its smoke sizes."""
+    import json
+
+    from engine.tools.gpu_check_kernels import main
+
+    assert main([str(tmp_path), "--smoke", "--no-model", "--model", "random:tiny"]) == 0
+    rows = json.loads((tmp_path / "gpu_check_kernels.json").read_text())["kernels_checked"]
+    assert {r["kernel"] for r in rows} == {"add_rms_norm", "swiglu", "qk_norm_rope_store", "cache_attention"}
+    assert all(r["ok"] and r["rel_err"] < 4e-3 for r in rows)

@@ -59,3 +59,15 @@ def test_a_prepared_model_saves_and_loads_in_the_published_layout(tmp_path):
     for name, value in fresh.tts.state_dict().items():
         assert torch.equal(loaded.tts.state_dict()[name], value), name
     assert prepare_inference(torch.nn.Linear(2, 2)) == 0  # nothing to prepare is not an error
+
+
+def test_stacked_frame_tables_give_the_same_frame_embedding(tiny_model):
+    plain = build_random_model("tiny", prepare=False).tts.talker
+    prepared = tiny_model.tts.talker
+    assert prepared.frame_tables is not None and plain.frame_tables is None
+    g = torch.Generator().manual_seed(2)
+    code0 = torch.tensor([0, 3071, 2150])  # the first and last rows of code 0's table, and EOS
+    rest = torch.randint(0, 2048, (3, 15), generator=g)
+    rest[0], rest[1] = 0, 2047  # first and last rows of every Code Predictor table
+    with torch.no_grad():
+        assert torch.equal(prepared.frame_embedding(code0, rest), plain.frame_embedding(code0, rest))

@@ -165,53 +165,122 @@ def _attend_block(q, kc_ptr, vc_ptr, base, start, end, limit, s_cl, scale, m_i, 
 
 
 @triton.jit
-def _cache_attention_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, slots_ptr, pos_ptr, valid_ptr, T, scale,
-                            s_qb, s_qt, s_qh, s_ob, s_ot, s_oh, s_cs, s_ch, s_cl, s_pb, s_pt,
+def _cache_attention_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, slots_ptr, pos_ptr, valid_ptr, part_acc_ptr, part_ml_ptr,
+                            T, scale, s_qb, s_qt, s_qh, s_ob, s_ot, s_oh, s_cs, s_ch, s_cl, s_pb, s_pt,
                             G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            HAS_VALID: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+                            SPLITS: tl.constexpr, HAS_VALID: tl.constexpr, IEEE: tl.constexpr,
+                            INTERPRET: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    # Rows of this program: (query position t, query head g of this kv head), flattened as t * G + g.
-    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Rows of this program: (query position t, query head g of this kv head), flattened as t * G + g. With
+    # SPLITS > 1 there is one block of rows and the third grid axis splits the columns instead.
+    if SPLITS > 1:
+        block = 0
+    else:
+        block = tl.program_id(2)
+    local = tl.arange(0, BLOCK_M)
+    rows = block * BLOCK_M + local
     row_ok = rows < T * G
     t = rows // G
     head = kvh * G + rows % G
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * s_qb + t[:, None] * s_qt + head[:, None] * s_qh + d[None, :], mask=row_ok[:, None],
                 other=0.0)
-    limit = tl.load(pos_ptr + b * s_pb + t * s_pt, mask=row_ok, other=-1) + 1  # columns each row may read
+    limit = (tl.load(pos_ptr + b * s_pb + t * s_pt, mask=row_ok, other=-1) + 1).to(tl.int32)  # columns to read
     if HAS_VALID:
-        limit = tl.minimum(limit, tl.load(valid_ptr + b))
+        limit = tl.minimum(limit, tl.load(valid_ptr + b).to(tl.int32))
     limit = tl.where(row_ok, limit, 0)
     end = tl.max(limit, axis=0)
+    lo = 0
+    if SPLITS > 1:
+        # Split s reads its own run of whole column blocks; runs past the longest row are empty.
+        per_split = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N
+        lo = tl.program_id(2) * per_split
+        end = tl.minimum(end, lo + per_split)
     base = tl.load(slots_ptr + b) * s_cs + kvh * s_ch
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     if INTERPRET:
         # triton 3.6's interpreter cannot take a device scalar as a range() bound (numpy >= 2): same blocks.
-        start = 0
+        start = lo
         while start < end:
             m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, base, start, end, limit, s_cl, scale, m_i, l_i, acc,
                                           D, BLOCK_N, IEEE)
             start += BLOCK_N
     else:
-        for start in range(0, end, BLOCK_N):
+        for start in range(lo, end, BLOCK_N):
             m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, base, start, end, limit, s_cl, scale, m_i, l_i, acc,
                                           D, BLOCK_N, IEEE)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if SPLITS > 1:
+        # Unnormalised partials [B, Hkv, SPLITS, rows (, D)]: _combine_splits_kernel merges them.
+        part = (b * tl.num_programs(1) + kvh) * SPLITS + tl.program_id(2)
+        tl.store(part_acc_ptr + (part * T * G + local[:, None]) * D + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + (part * 2) * T * G + local, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + (part * 2 + 1) * T * G + local, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + b * s_ob + t[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, T, s_ob, s_ot, s_oh,
+                           G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    local = tl.arange(0, BLOCK_M)
+    row_ok = local < T * G
+    t = local // G
+    head = kvh * G + local % G
+    d = tl.arange(0, D)
+    first = (b * tl.num_programs(1) + kvh) * SPLITS
+    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for i in tl.static_range(SPLITS):
+        m = tl.load(part_ml_ptr + ((first + i) * 2) * T * G + local, mask=row_ok, other=float("-inf"))
+        m_max = tl.maximum(m_max, m)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for i in tl.static_range(SPLITS):
+        m = tl.load(part_ml_ptr + ((first + i) * 2) * T * G + local, mask=row_ok, other=float("-inf"))
+        l_i = tl.load(part_ml_ptr + ((first + i) * 2 + 1) * T * G + local, mask=row_ok, other=0.0)
+        w = tl.exp(m - m_safe)  # an empty split has m = -inf: weight 0
+        total += w * l_i
+        part = tl.load(part_acc_ptr + ((first + i) * T * G + local[:, None]) * D + d[None, :], mask=row_ok[:, None],
+                       other=0.0)
+        acc += w[:, None] * part
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(out_ptr + b * s_ob + t[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def default_splits(q: Tensor, programs: int, max_len: int, block_n: int) -> int:
+    """Column splits for a decode-sized call: enough programs for about two waves of the GPU's multiprocessors,
+    each split at least two column blocks of the cache's length; 1 on the CPU. Depends on shapes only, so a
+    captured graph keeps its choice."""
+    if q.device.type != "cuda":
+        return 1
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    wanted = triton.cdiv(2 * _SM_COUNT[index], programs)
+    return max(1, min(16, triton.next_power_of_2(wanted), triton.cdiv(max_len, 2 * block_n)))
+
+
 def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor,
-                    valid_len: Tensor | None = None) -> Tensor:
+                    valid_len: Tensor | None = None, splits: int | None = None) -> Tensor:
     """Causal grouped-query attention read in place from the cache.
 
     q [B, T, H, D] (normed, rotated); k_cache, v_cache [S, Hkv, L, D] of one layer, this call's keys and values
     already written; slots [B] int64; positions [B, T] int64: query t of row b attends columns
     0..positions[b, t] of cache row slots[b]; valid_len [B] (optional): and only columns < valid_len[b].
-    Returns [B, T, H, D] in q's dtype. Every row must attend at least one column (positions >= 0, valid_len >= 1).
+    splits: column splits per (row, kv head) when its T * G query rows fit one block (decode); their partial
+    softmax sums are merged by a second kernel. None: default_splits. Returns [B, T, H, D] in q's dtype.
+    Every row must attend at least one column (positions >= 0, valid_len >= 1).
     """
     B, T, H, D = q.shape
     _check_cache(k_cache, v_cache, D)
@@ -224,20 +293,33 @@ def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, 
     rows = T * G
     BLOCK_M = max(16, min(64, triton.next_power_of_2(rows)))
     BLOCK_N = max(16, min(64, triton.next_power_of_2(k_cache.shape[2])))
-    grid = (B, Hkv, triton.cdiv(rows, BLOCK_M))
+    if rows > BLOCK_M:
+        splits = 1  # prefill: many row blocks already fill the GPU
+    elif splits is None:
+        splits = default_splits(q, B * Hkv, k_cache.shape[2], BLOCK_N)
+    if splits > 1:
+        part_acc = torch.empty(B, Hkv, splits, rows, D, device=q.device, dtype=torch.float32)
+        part_ml = torch.empty(B, Hkv, splits, 2, rows, device=q.device, dtype=torch.float32)
+    else:
+        part_acc = part_ml = out  # not read
+    grid = (B, Hkv, splits if splits > 1 else triton.cdiv(rows, BLOCK_M))
     _cache_attention_kernel[grid](
-        q, k_cache, v_cache, out, slots, positions, valid_len if valid_len is not None else slots, T, D**-0.5,
-        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        q, k_cache, v_cache, out, slots, positions, valid_len if valid_len is not None else slots, part_acc, part_ml,
+        T, D**-0.5, q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), positions.stride(0), positions.stride(1),
-        G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_VALID=valid_len is not None,
+        G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLITS=splits, HAS_VALID=valid_len is not None,
         IEEE=q.dtype == torch.float32, INTERPRET=_interpreting(), num_warps=4)
+    if splits > 1:
+        _combine_splits_kernel[(B, Hkv)](part_acc, part_ml, out, T, out.stride(0), out.stride(1), out.stride(2),
+                                         G=G, D=D, BLOCK_M=BLOCK_M, SPLITS=splits, num_warps=4)
     return out
 
 
 def cache_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor,
-                              valid_len: Tensor | None = None) -> Tensor:
-    """The PyTorch path (gathered keys and values, a mask, engine.model.layers.attention); same contract."""
-    S = int(positions.max()) + 1
+                              valid_len: Tensor | None = None, kv_len: int | None = None) -> Tensor:
+    """The PyTorch path (gathered keys and values, a mask, engine.model.layers.attention); same contract.
+    kv_len: columns gathered (> every position), as the model's bucket gives it; None: read from positions."""
+    S = kv_len if kv_len is not None else int(positions.max()) + 1
     cols = torch.arange(S, device=q.device)
     allowed = cols[None, None, :] <= positions[:, :, None]  # [B, T, S]
     if valid_len is not None:

@@ -75,8 +75,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
 
 
 class FusedRows:
-    """The weights of several bias-free nn.Linear over one input, stacked by output row into one matrix; each
-    Linear's weight becomes a view of its rows. `weight` [sum of out_features, in_features]."""
+    """The weights of several bias-free nn.Linear over one input (or of several nn.Embedding tables), stacked by
+    row into one matrix; each module's weight becomes a view of its rows. `weight` [sum of rows, columns]."""
 
     def __init__(self, *linears: nn.Linear):
         self.linears = linears
@@ -98,13 +98,17 @@ class FusedRows:
             start += rows * row_bytes
         return True
 
-    def project(self, x: Tensor) -> Tensor:
-        """x [..., in] -> [..., sum of out_features]: every Linear's output side by side, from one GEMM."""
+    def current(self) -> Tensor:
+        """The fused matrix, fused again first if a module's weight was replaced since (a stale one would
+        silently compute with old weights)."""
         if not self.intact():
-            # A stale fused matrix would silently compute with old weights: fuse the current ones again.
             log.warning("fused weights were replaced after prepare_inference(); fusing them again")
             self._fuse()
-        return F.linear(x, self.weight)
+        return self.weight
+
+    def project(self, x: Tensor) -> Tensor:
+        """x [..., in] -> [..., sum of out_features]: every Linear's output side by side, from one GEMM."""
+        return F.linear(x, self.current())
 
     def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
         """x [..., in] -> one output per Linear, views of the single GEMM's result."""

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from engine.model.code_predictor import CodePredictor
 from engine.model.config import TalkerConfig
-from engine.model.layers import AttentionBatch, DecoderStack, KVCache
+from engine.model.layers import AttentionBatch, DecoderStack, FusedRows, KVCache
 
 
 class TalkerStack(DecoderStack):
@@ -41,6 +41,7 @@ class Talker(nn.Module):
         self.text_projection = TextProjection(cfg.text_hidden_size, cfg.stack.hidden_size)
         self.codec_head = nn.Linear(cfg.stack.hidden_size, cfg.stack.vocab_size, bias=False)
         self.code_predictor = CodePredictor(cfg)
+        self.frame_tables: FusedRows | None = None  # prepare_inference()
 
     def new_cache(self, slots: int, max_len: int, device, dtype) -> KVCache:
         return KVCache.allocate(self.cfg.stack, slots, max_len, device, dtype)
@@ -52,8 +53,24 @@ class Talker(nn.Module):
     def embed_codec(self, ids: Tensor) -> Tensor:
         return self.model.codec_embedding(ids)
 
+    def prepare_inference(self) -> None:
+        """The 16 input tables a frame embedding reads (code 0's, then the Code Predictor's 15) as one stacked
+        table, so a frame is one lookup and one sum; the tables become views of it (their names and files stay)."""
+        tables = [self.model.codec_embedding, *self.code_predictor.model.codec_embedding]
+        self.frame_tables = FusedRows(*tables)
+        starts = [0]
+        for table in tables[:-1]:
+            starts.append(starts[-1] + table.num_embeddings)
+        self.frame_offsets = torch.tensor(starts, device=self.frame_tables.weight.device)  # [16]
+
     def frame_embedding(self, code0: Tensor, rest: Tensor) -> Tensor:
         """Sum of a frame's 16 code embeddings: code0 [B], rest [B, 15] -> [B, hidden]."""
+        if self.frame_tables is not None:
+            ids = torch.cat((code0[:, None], rest), dim=1)  # [B, 16]
+            table = self.frame_tables.current()
+            if self.frame_offsets.device != table.device:  # the model moved after preparation
+                self.frame_offsets = self.frame_offsets.to(table.device)
+            return F.embedding(ids + self.frame_offsets, table).sum(dim=1)  # rows of the stacked table
         parts = [self.embed_codec(code0)] + self.code_predictor.code_embeddings(rest)
         return torch.stack(parts, dim=1).sum(dim=1)
 
@@ -67,5 +84,8 @@ class Talker(nn.Module):
         """
         batch = AttentionBatch.build(self.cfg.stack, slots, positions, kv_len, x.dtype, valid_len)
         hidden = self.model.run(x, batch, cache)  # [B, T, hidden]
-        hidden = hidden[torch.arange(x.shape[0], device=x.device), last]  # [B, hidden]
+        if x.shape[1] == 1:  # a decode step: `last` can only be 0, and a view needs no gather kernel
+            hidden = hidden[:, 0]
+        else:
+            hidden = hidden[torch.arange(x.shape[0], device=x.device), last]  # [B, hidden]
         return hidden, self.codec_head(hidden).float()
