@@ -199,3 +199,10 @@ def test_model_draws_through_the_kernel_equal_the_reference(tiny_model, monkeypa
         rest, _ = model.codes_1_to_15(hidden, code0, rows, frame)
         got_code0 = model.choose_code0(*talker_args)
     assert torch.equal(rest, ref_rest) and torch.equal(got_code0, ref_code0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script runs for real (the lead runs it)")
+def test_gpu_check_script_imports_and_refuses_without_a_gpu(tmp_path):
+    from engine.tools import gpu_check_sampler
+
+    assert gpu_check_sampler.main([str(tmp_path)]) == 2

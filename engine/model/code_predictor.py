@@ -3,17 +3,24 @@
 One frame is 15 dependent forwards over at most 16 positions with a KV cache that lives for that frame only:
 forward 1 sees [P(h), P(E0(c0))] and predicts c1 with lm_head[0]; forward g (2..15) sees P(Ecp[g-2](c_{g-1}))
 at position g and predicts c_g with lm_head[g-1]. P is small_to_mtp_projection (identity for 0.6B).
+
+prepare_inference() (called once after the weights are loaded) stores P(Ecp[g]) for every table, so each step
+reads one row instead of an embedding lookup plus a Linear.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model.config import TalkerConfig
 from engine.model.layers import AttentionBatch, DecoderStack, KVCache
+
+log = logging.getLogger("voicelane.code_predictor")
 
 
 class CodePredictorStack(DecoderStack):
@@ -37,6 +44,29 @@ class CodePredictor(nn.Module):
             self.small_to_mtp_projection = nn.Linear(talker.stack.hidden_size, cfg.hidden_size, bias=True)
         else:
             self.small_to_mtp_projection = nn.Identity()
+        # [groups - 1, V, H_cp]: P(Ecp[g]) for the inputs of forwards 2..15 (not in the checkpoint: derived)
+        self.register_buffer("projected_codec_embedding", None, persistent=False)
+        self._unprepared_logged = False
+
+    @torch.no_grad()
+    def prepare_inference(self) -> None:
+        """Derive the projected input tables from the loaded weights (again after any weight change). Without a
+        projection (0.6B) the tables are the embeddings themselves: nothing to store."""
+        if isinstance(self.small_to_mtp_projection, nn.Identity):
+            return
+        tables = [self.model.codec_embedding[g].weight for g in range(self.groups - 1)]
+        self.projected_codec_embedding = torch.stack([self.small_to_mtp_projection(t) for t in tables])
+
+    def _next_input(self, group: int, code: Tensor) -> Tensor:
+        """Input of forward group + 1 from code c_group [B] -> [B, 1, H_cp]."""
+        if self.projected_codec_embedding is not None:
+            return F.embedding(code, self.projected_codec_embedding[group - 1])[:, None]
+        if isinstance(self.small_to_mtp_projection, nn.Identity):
+            return self.model.codec_embedding[group - 1](code)[:, None]
+        if not self._unprepared_logged:
+            log.warning("CodePredictor.prepare_inference() was not called: projecting every code's embedding")
+            self._unprepared_logged = True
+        return self.small_to_mtp_projection(self.model.codec_embedding[group - 1](code))[:, None]
 
     @property
     def positions(self) -> int:
@@ -52,7 +82,7 @@ class CodePredictor(nn.Module):
 
         hidden [B, H_talker]: Talker output (after its final norm) that produced code 0;
         code0_embedding [B, H_talker]: E0(code 0);
-        choose(group, logits [B, V] float32) -> codes [B] int64, group = 1..15;
+        choose(group, logits [B, V] in the model's dtype) -> codes [B] int64, group = 1..15;
         forced [B, 15] (teacher forcing, tests): feed these codes instead of the chosen ones.
         Returns codes [B, 15] int64 and, with keep_logits, logits [B, 15, V] float32.
         """
@@ -70,15 +100,15 @@ class CodePredictor(nn.Module):
             batch = AttentionBatch(rows, every.positions[:, span], every.blocked[:, :, span], every.cos[:, span],
                                    every.sin_signed[:, span])
             h = self.model.run(x, batch, cache)[:, -1]  # [B, H_cp]
-            logits = self.lm_head[group - 1](h).float()  # [B, V]
+            logits = self.lm_head[group - 1](h)  # [B, V]: the sampler reads the model dtype, no float copy
             code = choose(group, logits)
             if forced is not None:
                 code = forced[:, group - 1]
             codes.append(code)
             if keep_logits:
-                logits_seen.append(logits)
+                logits_seen.append(logits.float())
             if group < self.groups:
-                x = self.small_to_mtp_projection(self.model.codec_embedding[group - 1](code))[:, None]  # [B, 1, H_cp]
+                x = self._next_input(group, code)
         return torch.stack(codes, dim=1), (torch.stack(logits_seen, dim=1) if keep_logits else None)
 
     def code_embeddings(self, codes: Tensor) -> list[Tensor]:
