@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One H200 call that checks every kernel against its reference, graphs against eager, and then times every stage
+# (per-kernel breakdown included). Correctness first: a failed check is reported and the timings still run, so
+# one call shows both. Usage (on the device machine, from the repo root, .whl and .deb carried):
+#   source bench/h200_env.sh && bash bench/gpu_round.sh $OUT
+set -u
+OUT=${1:?usage: bench/gpu_round.sh OUT_DIR}
+mkdir -p "$OUT"
+status=0
+step() {  # [LIMIT=s] step NAME COMMAND...: run (killed after LIMIT s), log to OUT/NAME.log, remember a failure
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  timeout "${LIMIT:-300}" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
+  tail -n "${TAIL:-25}" "$OUT/$name.log"
+  echo "=== $name: exit $rc in $((SECONDS - t0)) s"
+  [ $rc -eq 0 ] || status=1
+}
+LIMIT=200 step gpu_check_kernels python3 -m engine.tools.gpu_check_kernels "$OUT/kernels"
+LIMIT=100 step gpu_check_sampler python3 -m engine.tools.gpu_check_sampler "$OUT/sampler"
+LIMIT=150 step gpu_check_codec python3 -m engine.tools.gpu_check_codec "$OUT/codec"
+[ -n "${ENGINE_TESTS:-}" ] && LIMIT=200 step engine_tests env VOICELANE_TEST_DEVICE=cuda python3 -m pytest -q -x tests/test_engine.py
+LIMIT=200 step profile python3 -m engine.tools.profile_stages --model random:1.7b --batches ${BATCHES:-1 8 32 64} \
+  --prompt-lens 16 64 --chunks ${CHUNKS:-1 4 12} --graphs on --out "$OUT/stages.json"
+exit $status
