@@ -32,6 +32,7 @@ def test_prepared_tables_keep_codes_and_logits(own_model, caplog):
     model = own_model.tts
     cp = model.talker.code_predictor
     hidden, code0, rows, frame, forced = _frame_inputs(model, 4)
+    cp.projected_codec_embedding = None  # as before prepare_inference() (load_checkpoint prepares)
     with caplog.at_level(logging.WARNING, logger="voicelane.code_predictor"):
         codes, logits = model.codes_1_to_15(hidden, code0, rows, frame, keep_logits=True)
         _, forced_logits = model.codes_1_to_15(hidden, code0, rows, frame, forced=forced, keep_logits=True)

@@ -4,8 +4,9 @@ the compiler sees (types across a loop with a device-scalar bound, branches on c
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,40 +40,20 @@ def _compile(fn, dtype: str, constexprs: dict, pointers: dict[str, str] | None =
     assert compiled.asm["cubin"]
 
 
-def _compilable_copy(name: str):
-    """A private copy of engine/kernels/<name>.py whose @triton.jit functions are built for the compiler: the other
-    kernel tests set TRITON_INTERPRET=1, under which the shared module holds interpreter functions."""
-    path = Path(__file__).parents[1] / "engine" / "kernels" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_compiled_kernels_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-    return module
+def _kernel_modules():
+    from engine.kernels import attention, norm
+    return attention, norm
 
 
-@pytest.fixture(scope="module")
-def modules():
-    return _compilable_copy("attention"), _compilable_copy("norm")
-
-
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_norm_kernels_compile(modules, dtype):
-    _, norm = modules
+def compile_norm(dtype: str) -> None:
+    _, norm = _kernel_modules()
     for residual in (True, False):
         _compile(norm._add_rms_norm_kernel, dtype, {"HAS_RESIDUAL": residual, "BLOCK": 2048})
     _compile(norm._swiglu_kernel, dtype, {"BLOCK": 1024})
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_attention_kernels_compile(modules, dtype):
-    attention, _ = modules
+def compile_attention(dtype: str) -> None:
+    attention, _ = _kernel_modules()
     ints = {"slots_ptr": "*i64", "pos_ptr": "*i64", "valid_ptr": "*i64"}
     _compile(attention._qk_norm_rope_store_kernel, dtype, {"HALF": 64, "BLOCK_HALF": 64}, ints)
     partials = ints | {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
@@ -81,3 +62,28 @@ def test_attention_kernels_compile(modules, dtype):
                  {"G": 2, "D": 128, "BLOCK_M": block_m, "BLOCK_N": 64, "SPLITS": splits, "HAS_VALID": valid,
                   "IEEE": dtype == "fp32", "INTERPRET": False}, partials)
     _compile(attention._combine_splits_kernel, dtype, {"G": 2, "D": 128, "BLOCK_M": 16, "SPLITS": 16}, partials)
+
+
+def _in_fresh_python(what: str, dtype: str) -> None:
+    """Compile in a new interpreter without TRITON_INTERPRET: once the other kernel tests have run triton's
+    interpreter in this process, its patched language objects break the real compiler."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).parents[1]
+    proc = subprocess.run([sys.executable, __file__, what, dtype], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_norm_kernels_compile(dtype):
+    _in_fresh_python("norm", dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_attention_kernels_compile(dtype):
+    _in_fresh_python("attention", dtype)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    {"norm": compile_norm, "attention": compile_attention}[sys.argv[1]](sys.argv[2])
