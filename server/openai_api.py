@@ -16,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,7 @@ from server.protocol import (
     parse_json_object,
 )
 from server.runtime import Runtime
-from server.textpipe import encode_segments
+from server.textpipe import bench_frames, encode_segments, estimated_frames
 
 log = logging.getLogger("voicelane.http")
 RESPONSE_FORMATS = ("mp3", "pcm", "wav", "opus")
@@ -51,10 +52,14 @@ ENGINE_CHECK_S = 2.0
 BACKLOG_CHECK_S = 0.2
 
 
-def segment_budget(max_frames: int) -> int:
-    """Estimated frames of text per segment: half the frames a segment may make, so that long input is spoken
-    whole (each segment has its own max_frames) with room for slow speech."""
-    return max(8, max_frames // 2)
+def segment_rule(max_frames: int, bench_frames_per_word: int) -> tuple[int, Callable[[str], int]]:
+    """Frames of text per segment and how to count them, so that long input is spoken whole (each segment has
+    its own max_frames): half the frames a segment may make by a generous guess, with room for slow speech; in
+    the benchmark length mode a segment's frames are exact (N per word), so the whole budget is usable and text
+    that fits one segment is one segment, as on the WebSocket door."""
+    if bench_frames_per_word:
+        return max(bench_frames_per_word, max_frames), bench_frames(bench_frames_per_word)
+    return max(8, max_frames // 2), estimated_frames
 
 
 def error_response(code: str, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -184,7 +189,8 @@ async def speech(request: Request) -> Response:
                                                 rt.config.http_body_timeout_s))
         req = parse_speech(obj, rt)
         segments = encode_segments(rt.tokenizer, req.text, req.options.text_normalization,
-                                   segment_budget(rt.sampling_base.max_frames))
+                                   *segment_rule(rt.sampling_base.max_frames,
+                                                 rt.config.engine.scheduler.bench_frames_per_word))
         n_tokens = sum(len(ids) for ids, _ in segments)
         if not n_tokens:
             raise ProtocolError("invalid_field", "'input' has nothing to speak after text normalisation", "input")

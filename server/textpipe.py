@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Callable
 
 from engine.text.tokenizer import TextTokenizer
 from server.text_normalize import LlmTextNormalizer
@@ -113,23 +114,28 @@ def estimated_frames(text: str) -> int:
     return 3 * wide + (len(text) - wide)
 
 
-def split_sentences(text: str, budget: int) -> list[str]:
-    """`text` cut into pieces of at most `budget` estimated frames, at sentence ends where possible, else at
+def bench_frames(frames_per_word: int) -> Callable[[str], int]:
+    """The exact frames of a text in the benchmark length mode (N per word), instead of a guess."""
+    return lambda text: frames_per_word * len(text.split())
+
+
+def split_sentences(text: str, budget: int, frames_of: Callable[[str], int] = estimated_frames) -> list[str]:
+    """`text` cut into pieces of at most `budget` frames by `frames_of`, at sentence ends where possible, else at
     spaces, else anywhere; joined back they give `text` exactly."""
     pieces: list[str] = []
     for sentence in (s for s in _split_keep(text, _SENTENCE_END) if s):
-        if estimated_frames(sentence) <= budget:
+        if frames_of(sentence) <= budget:
             pieces.append(sentence)
             continue
         for word in _split_keep(sentence, re.compile(r"(?<=\s)(?=\S)")):
-            while estimated_frames(word) > budget:
+            while frames_of(word) > budget and estimated_frames(word) > budget:
                 cut = max(1, _prefix_within(word, budget))
                 pieces.append(word[:cut])
                 word = word[cut:]
             pieces.append(word)
     out: list[str] = []
     for piece in pieces:  # pack whole pieces into segments
-        if out and estimated_frames(out[-1]) + estimated_frames(piece) <= budget:
+        if out and frames_of(out[-1]) + frames_of(piece) <= budget:
             out[-1] += piece
         else:
             out.append(piece)
@@ -156,12 +162,12 @@ def _prefix_within(word: str, budget: int) -> int:
     return len(word)
 
 
-def encode_segments(tokenizer: TextTokenizer, text: str, normalization: str, budget: int
-                    ) -> list[tuple[list[int], int]]:
+def encode_segments(tokenizer: TextTokenizer, text: str, normalization: str, budget: int,
+                    frames_of: Callable[[str], int] = estimated_frames) -> list[tuple[list[int], int]]:
     """A long text as consecutive segments (ids, words) of at most `budget` estimated frames each, on one text
     pipeline with a flush between them - what a WebSocket client does when it flushes at sentence ends. A text
     within the budget is one segment, exactly encode_whole's."""
-    pieces = split_sentences(text, budget)
+    pieces = split_sentences(text, budget, frames_of)
     p = TextPipeline(tokenizer, normalization)
     out = []
     for i, piece in enumerate(pieces):

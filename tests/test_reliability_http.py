@@ -15,7 +15,7 @@ from test_server_http import ogg_packets, post
 from server.app import create_app
 from server.config import ServerConfig
 from server.runtime import Runtime
-from server.textpipe import encode_segments, encode_whole, estimated_frames, split_sentences
+from server.textpipe import bench_frames, encode_segments, encode_whole, estimated_frames, split_sentences
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +103,19 @@ def test_split_sentences_keeps_every_character_within_the_budget(tiny_checkpoint
     assert encode_segments(tok, short, "llm", 64) == [encode_whole(tok, short, "llm")]
     ids = [i for seg, _ in encode_segments(tok, text, "none", 20) for i in seg]
     assert len(ids) >= len(encode_whole(tok, text, "none")[0]) - 2  # nothing lost at the cuts
+
+
+def test_bench_length_mode_counts_segment_frames_exactly():
+    """In the benchmark length mode a segment makes N frames per word: a sentence that fits one segment stays
+    whole (the guess of one frame per character would cut it and change its codes against the WebSocket door),
+    and a longer text is cut into pieces of at most the budget."""
+    frames = bench_frames(2)
+    sentence = "The quick brown fox jumps over the lazy dog, again."  # 10 words, 20 frames, 51 characters
+    assert split_sentences(sentence, 32, frames) == [sentence]
+    assert len(split_sentences(sentence, 32)) == 2
+    words = " ".join(f"w{i}" for i in range(40))
+    pieces = split_sentences(words, 32, frames)
+    assert "".join(pieces) == words and len(pieces) == 3 and all(frames(p) <= 32 for p in pieces)
 
 
 def test_long_input_is_spoken_whole(server):
