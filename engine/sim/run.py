@@ -149,7 +149,7 @@ class Simulation:
         a = x.arrival
         layout = "whole" if a.mode == "whole" else "dual"
         try:
-            x.cid = self._call(self.scheduler.open_context, ContextSetup(self.voice, None, layout),
+            x.cid = self._call(self.scheduler.open_context, ContextSetup(self.voice, None, layout, True),
                                SamplingParams(seed=a.index, min_frames=0), t)
         except AdmissionRefused as exc:
             x.refused = str(exc)
@@ -185,8 +185,11 @@ class Simulation:
             if e.kind == "audio":
                 was_playing = x.first_audible_at is not None
                 x.packet(now, e, x.arrival.silent_frames)
-                if not was_playing and x.first_audible_at is not None and self.options.ack_interval_s > 0:
-                    self.events.at(now + self.options.ack_interval_s, lambda ta, x=x: self._ack(x, ta))
+                if not was_playing and x.first_audible_at is not None:
+                    # the server's trimmer reports the onset (its executor hop is not modelled)
+                    self.scheduler.mark_audible(e.cid, e.segment, now)
+                    if self.options.ack_interval_s > 0:
+                        self.events.at(now + self.options.ack_interval_s, lambda ta, x=x: self._ack(x, ta))
             elif e.kind == "context_done":
                 x.done_at = now
 
