@@ -141,7 +141,9 @@ class Engine:
         self.timeline = Timeline(self.config.trace_capacity, origin=time.monotonic())
         self.scheduler = Scheduler(self.config.scheduler, loaded.config, self.timeline)
         self.runner = Runner(loaded, self.config)
-        self.core = EngineCore(self.scheduler, self.runner, self._deliver, self.timeline)
+        # A CPU step runs inside launch, so there is no device time to plan into: late planning is for CUDA.
+        lead = self.config.scheduler.plan_lead_s if self.runner.device.type == "cuda" else 0.0
+        self.core = EngineCore(self.scheduler, self.runner, self._deliver, self.timeline, plan_lead_s=lead)
         self.core.on_crash = self._fail_everything
         self.contexts: dict[int, Context] = {}
         self.sampling_defaults = SamplingParams.from_generation_config(loaded.config.generation).with_overrides(

@@ -77,19 +77,38 @@ def test_an_idle_engine_gives_first_audio_after_exactly_the_first_audio_chain():
         assert listener.received_s == pytest.approx(4 * 5 * 0.08)  # 4 words x 5 frames of 80 ms
 
 
-def test_a_newcomer_waits_for_the_step_in_flight_and_the_one_already_queued():
-    """The core launches step i before collecting step i-1: when a request arrives while the host waits for
-    step i-1, step i is already queued, and the newcomer's prefill runs after both."""
-    sim = Simulation(SchedulerConfig(), H200, [one("a " * 30), one(at=0.2, index=1)])
-    report = sim.run()
-    steps = report.steps
+def newcomer_prefill_and_steps_before(cfg, at=0.2):
+    sim = Simulation(cfg, H200, [one("a " * 30), one(at=at, index=1)])
+    steps = sim.run().steps
     prefill_2 = [s for s in steps if s[0] == Stage.PREFILL][1]
-    before = [s for s in steps if s[3] < prefill_2[3]]
+    return prefill_2, [s for s in steps if s[3] < prefill_2[3]]
+
+
+def test_planned_at_once_a_newcomer_waits_for_the_step_in_flight_and_the_one_already_queued():
+    """plan_lead_s = 0: the core launches step i before collecting step i-1, so when a request arrives while the
+    host waits for step i-1, step i is already queued, and the newcomer's prefill runs after both."""
+    prefill_2, before = newcomer_prefill_and_steps_before(SchedulerConfig(plan_lead_s=0.0))
     running = next(s for s in before if s[3] <= 0.2 < s[3] + s[4])
     queued = before[before.index(running) + 1]
     assert queued[3] == pytest.approx(running[3] + running[4])  # queued at once, behind the running step
     assert prefill_2[3] == pytest.approx(queued[3] + queued[4])  # the newcomer's prefill: right after it
     assert before[-1] is queued
+
+
+@pytest.mark.parametrize("at", [0.2, 0.2071, 0.2133, 0.25])
+def test_planned_late_a_newcomer_waits_for_the_running_step_only(at):
+    """plan_lead_s > 0: the next step is planned plan_lead_s before the running one ends, so a newcomer that
+    arrives before that point is in it: its prefill starts when the running step ends, and the device never
+    idles between steps (the lead covers the host's planning)."""
+    lead = 0.005
+    prefill_2, before = newcomer_prefill_and_steps_before(SchedulerConfig(plan_lead_s=lead), at)
+    running = next(s for s in before if s[3] <= at < s[3] + s[4])
+    if at < running[3] + running[4] - lead:
+        assert before[-1] is running and prefill_2[3] == pytest.approx(running[3] + running[4])
+    else:  # arrived inside the lead: the step after was already planned, one more step at most
+        assert len(before) - before.index(running) <= 2
+    for a, b in zip(before, before[1:] + [prefill_2], strict=False):
+        assert b[3] == pytest.approx(a[3] + a[4])  # back to back: late planning costs no device time
 
 
 def test_listener_drops_leading_silence_and_counts_late_packets_as_underruns():
