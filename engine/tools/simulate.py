@@ -24,6 +24,8 @@ from engine.sim.workload import poisson_workload
 def scheduler_config(args) -> SchedulerConfig:
     cfg = SchedulerConfig(max_slots=args.max_slots)
     overrides = {"max_step_s": args.max_step_ms / 1e3}
+    if args.chunk_ramp is not None:
+        overrides["chunk_ramp"] = tuple(args.chunk_ramp)
     if args.plan_lead_ms is not None:
         overrides["plan_lead_s"] = args.plan_lead_ms / 1e3
     if args.policy is not None:
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-step-ms", type=float, default=20.0)
     ap.add_argument("--policy", default=None, help="SchedulerConfig.policy: first_audio or edf (default: the "
                     "configured one)")
+    ap.add_argument("--chunk-ramp", type=int, nargs="+", default=None, help="codec frames per chunk (default: "
+                    "the configured ramp)")
     ap.add_argument("--plan-lead-ms", type=float, default=None, help="plan the next step this long before the "
                     "running one ends (0: at once, the device queue two deep; default: the configured one)")
     ap.add_argument("--out", default=None, help="write the summaries as JSON here")
