@@ -15,12 +15,28 @@ class SchedulerConfig:
     # codec: the largest graph bucket (64), so 64 streams decode in one step, not two of 32
     max_batch: dict[str, int] = field(default_factory=lambda: {"prefill": 16, "talker": 64,
                                                                "code_predictor": 64, "codec": 64})
-    chunk_ramp: tuple[int, ...] = (1, 2, 4, 8, 12)  # codec frames per chunk: first chunk, then growing
+    # codec frames per chunk: first chunk, then growing. Three 1-frame chunks first: after one 80 ms chunk a 2-frame
+    # chunk leaves no room for another newcomer's first-audio chain, so every ramping stream would outrank it
+    chunk_ramp: tuple[int, ...] = (1, 1, 1, 2, 4, 8, 12)
     safety_lead_s: float = 0.25  # a playing stream turns urgent this long before its buffer would run dry
     admission_load: float = 0.85  # admit while the predicted round of all streams fits in this share of 80 ms
     max_waiting_first_audio: int = 32  # requests still waiting for their first audio (beyond: overloaded)
     max_step_s: float = 0.02  # a step predicted longer is split (a newcomer waits for the step in flight); 0 = off
     bench_frames_per_word: int = 0  # PROTOCOL 1.6 benchmark length mode; 0 = off
+    # "first_audio": requests whose listener waits for its first audible audio run ahead of playing streams
+    # unless a playing stream would run dry (docs/engine.md, Policy); "edf": one deadline axis for both (the
+    # policy before issue 13, kept to compare in the simulator)
+    policy: str = "first_audio"
+    # The first-audio class ends at the consumer's onset report; a stream that reports none (a lost report, a
+    # segment of silence) leaves it after this much audio, the server trimmer's own cap (max_trim_ms)
+    first_audio_max_s: float = 2.0
+    # refuse a newcomer whose own predicted first audio is later than this (first_audio policy; 0 = off)
+    admission_first_audio_s: float = 0.25
+    # Plan a step this long before the device is predicted to finish the one it runs, not as soon as the one
+    # before it is collected: a request that arrives then waits for the running step only, not also for a
+    # queued one planned without it. Covers the host's plan and launch (and a 5 ms GIL switch interval), else
+    # the device idles. Used where steps run asynchronously (CUDA, the simulator); 0 = plan at once.
+    plan_lead_s: float = 0.005
 
     def validate(self) -> None:
         if self.max_slots < 1:
@@ -36,6 +52,13 @@ class SchedulerConfig:
             raise EngineConfigError(f"admission_load = {self.admission_load}; it must be > 0 (1.0 = full GPU)")
         if self.max_step_s < 0:
             raise EngineConfigError(f"max_step_s = {self.max_step_s}; use 0 (off) or a step length in seconds")
+        if self.policy not in ("first_audio", "edf"):
+            raise EngineConfigError(f"policy = {self.policy!r}; use 'first_audio' or 'edf'")
+        if self.first_audio_max_s < 0 or self.admission_first_audio_s < 0:
+            raise EngineConfigError(f"first_audio_max_s = {self.first_audio_max_s}, admission_first_audio_s = "
+                                    f"{self.admission_first_audio_s}; both must be >= 0")
+        if self.plan_lead_s < 0:
+            raise EngineConfigError(f"plan_lead_s = {self.plan_lead_s}; use 0 (plan at once) or seconds")
         if self.bench_frames_per_word < 0:
             raise EngineConfigError(f"bench_frames_per_word = {self.bench_frames_per_word}; use 0 (off) or more")
 

@@ -42,9 +42,13 @@ class StageStats:
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: Runner, deliver: Callable[[list[Emit]], None],
-                 timeline: Timeline, clock: Callable[[], float] = time.monotonic):
+                 timeline: Timeline, clock: Callable[[], float] = time.monotonic, plan_lead_s: float = 0.0,
+                 sleep: Callable[[float], None] | None = None):
         self.scheduler, self.runner, self.deliver, self.timeline, self.clock = (
             scheduler, runner, deliver, timeline, clock)
+        self.plan_lead_s = plan_lead_s  # 0: plan as soon as the step before is collected (synchronous runners)
+        self.sleep = sleep or self._wait
+        self.in_flight_end: float | None = None  # predicted device end of the step in flight
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.in_flight: Pending | None = None
@@ -56,13 +60,30 @@ class EngineCore:
         self.last_plan = None
 
     def step(self) -> bool:
+        if self.plan_lead_s and self.in_flight is not None and self.in_flight_end is not None:
+            # Late planning: what arrives while the device runs its step still makes the next one.
+            wait = self.in_flight_end - self.plan_lead_s - self.clock()
+            if wait > 0:
+                self.sleep(wait)
         with self.lock:
             plan = self.scheduler.plan(self.clock())
         self.last_plan = plan
         launched = self.runner.launch(plan) if plan is not None else None
         self._finish(self.in_flight)
         self.in_flight = launched
+        self.in_flight_end = None
+        if launched is not None and self.plan_lead_s:
+            # The device starts it now: the step before has just been collected (or none was in flight).
+            rows = plan.rows
+            predicted = self.scheduler.costs.step_s(plan.stage, len(rows), max(rows[0].chunk, 1))
+            if predicted is not None:
+                self.in_flight_end = self.clock() + predicted
         return plan is not None
+
+    def _wait(self, seconds: float) -> None:
+        """Sleep, but wake at once for a call (a newcomer's text): planning it now is as early as it can run."""
+        self.wake.clear()
+        self.wake.wait(seconds)
 
     def _finish(self, pending: Pending | None) -> None:
         if pending is None:

@@ -51,6 +51,7 @@ class Context:
         self.ended = False  # ContextDone was delivered
         self.backlog_samples = 0  # audio delivered to the queue but not yet read by events(): a slow reader's debt
         self.segment_tokens = 0  # text tokens of the open segment
+        self.audible_segment = -1  # the last segment reported audible (one scheduler call per segment)
         # prompt positions besides the text (engine/model/prompt.py): the wrapped instruction, the role (3), the
         # codec tags with the speaker (at most 6), then tts_eos and the codec_bos position (2)
         instruction = len(spec.instruction_ids) + 3 if spec.instruction_ids else 0
@@ -105,6 +106,13 @@ class Context:
             buffered = None if buffered_ms is None else float(buffered_ms)
             self.engine._call(self.engine.scheduler.playback, self.cid, float(played_ms), state, buffered)
 
+    def mark_audible(self, segment: int) -> None:
+        """The consumer's leading-silence trimmer found this segment's audible onset: the segment leaves the
+        first-audio class (spec.reports_onset). Cheap to call for every chunk after the onset."""
+        if segment > self.audible_segment and not self.ended:
+            self.audible_segment = segment
+            self.engine._call(self.engine.scheduler.mark_audible, self.cid, segment)
+
     def inject_fault(self, kind: str, at_frame: int = 0) -> None:
         """Test hook: make this context's model step fail ("exception") or produce NaN logits ("nan")."""
         self.engine.runner.faults[self.cid] = (kind, at_frame)
@@ -133,7 +141,9 @@ class Engine:
         self.timeline = Timeline(self.config.trace_capacity, origin=time.monotonic())
         self.scheduler = Scheduler(self.config.scheduler, loaded.config, self.timeline)
         self.runner = Runner(loaded, self.config)
-        self.core = EngineCore(self.scheduler, self.runner, self._deliver, self.timeline)
+        # A CPU step runs inside launch, so there is no device time to plan into: late planning is for CUDA.
+        lead = self.config.scheduler.plan_lead_s if self.runner.device.type == "cuda" else 0.0
+        self.core = EngineCore(self.scheduler, self.runner, self._deliver, self.timeline, plan_lead_s=lead)
         self.core.on_crash = self._fail_everything
         self.contexts: dict[int, Context] = {}
         self.sampling_defaults = SamplingParams.from_generation_config(loaded.config.generation).with_overrides(
@@ -231,7 +241,7 @@ class Engine:
                                  f"limit {self.config.max_frames}", "max_frames")
         if self.core.crashed is not None:
             raise EngineError(f"the engine has stopped ({type(self.core.crashed).__name__}); restart the server")
-        setup = ContextSetup(voice, instruction, spec.text_layout)
+        setup = ContextSetup(voice, instruction, spec.text_layout, spec.reports_onset)
         loop = asyncio.get_running_loop()
         with self.core.lock:
             try:

@@ -64,6 +64,7 @@ class ContextState:
     cancelled: bool = False
     failed: str | None = None
     last_reason: str = "completed"
+    reports_onset: bool = False  # the consumer trims leading silence and reports each segment's audible onset
 
 
 @dataclass
@@ -91,6 +92,8 @@ class Request:
     finish_reason: str = "completed"
     frames_emitted: int = 0
     first_audio_at: float | None = None
+    newcomer: bool = True  # at its first text the listener had nothing left to play: it waits for this segment
+    audible_at: float | None = None  # when the consumer reported the segment's first audible audio
     done: bool = False
 
     @property

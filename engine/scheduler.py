@@ -1,12 +1,17 @@
 """The scheduling policy: every iteration, one stage and a batch of the requests waiting at it.
 
-Plain Python, no torch, clock passed in. The policy (docs/engine.md 3):
-  1. Urgency: a request without audio yet is urgent from its arrival; a playing one only once the listener's
-     buffer would run dry within the safety lead (client acks, else 1x from the first send).
+Plain Python, no torch, clock passed in. The policy (docs/engine.md, Policy):
+  1. Classes: a request whose listener waits for its first audible audio (a newcomer) runs ahead of playing
+     streams, first come first served, until the consumer reports the audible onset; a playing stream goes
+     ahead of the newcomers only when its predicted slack would fall below the newcomers' first-audio chain
+     plus its own next chunk. A playing stream is otherwise urgent once the listener's buffer would run dry
+     within the safety lead (client acks, else 1x from the first send). Policy "edf" (the one before) puts
+     both on one deadline axis: a newcomer's deadline is its arrival.
   2. Anchor and fill: the most urgent runnable request picks the stage; the batch is filled with other requests
-     waiting there (urgent first, then by deadline) up to the stage's limit.
+     waiting there (by class, then deadline) up to the stage's limit.
   3. Nothing urgent: run the stage with the most waiting work (throughput mode), building slack.
-  4. Admission refuses what the cost model predicts cannot be served without hurting playing streams.
+  4. Admission refuses what the cost model predicts cannot be served without hurting playing streams, and a
+     newcomer whose own predicted first audio is too late.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ SAMPLE_RATE = 24000
 STARVATION_S = 1.0  # a runnable request not served for this long is treated as urgent
 # Throughput mode breaks ties towards finishing work already in flight.
 STAGE_ORDER = (Stage.CODEC, Stage.CODE_PREDICTOR, Stage.TALKER, Stage.PREFILL)
+# Rank classes (Scheduler._rank): a playing stream about to run dry (or starving), a newcomer, another urgent
+# playing stream, nothing urgent.
+URGENT, NEWCOMER, PLAYING_URGENT, NOT_URGENT = 0, 1, 2, 3
 
 
 class AdmissionRefused(Exception):
@@ -54,6 +62,7 @@ class ContextSetup:
     voice: Voice
     instruction: list[int] | None
     layout: str
+    reports_onset: bool = False  # the consumer calls mark_audible per segment (the server's silence trimmer)
 
 
 class Scheduler:
@@ -69,13 +78,16 @@ class Scheduler:
         self.free_slots = list(range(cfg.max_slots - 1, -1, -1))
         self._ids = itertools.count(1)
         self._last_served: dict[int, float] = {}
+        # Predicted length of the last step planned: the device holds it when the next plan is made, and
+        # nothing planned then starts before it ends.
+        self._in_flight_s = 0.0
         self.outbox: list[Emit] = []
 
     # ------------------------------------------------------------------ context operations
     def open_context(self, setup: ContextSetup, sampling: SamplingParams, now: float) -> int:
         self._check_admission(now)
         cid = next(self._ids)
-        ctx = ContextState(cid=cid, slot=self.free_slots.pop(), sampling=sampling)
+        ctx = ContextState(cid=cid, slot=self.free_slots.pop(), sampling=sampling, reports_onset=setup.reports_onset)
         self.contexts[cid], self.setups[cid] = ctx, setup
         self.segments[cid] = deque()
         self._trace(cid, "admitted", now)
@@ -93,6 +105,26 @@ class Scheduler:
         predicted = self.costs.round_s(streams, self.cfg.chunk_ramp[-1])
         if predicted is not None and predicted > self.cfg.admission_load * FRAME_S:
             raise AdmissionRefused(f"predicted {predicted * 1e3:.1f} ms per 80 ms of audio for {streams} streams")
+        limit = self.cfg.admission_first_audio_s
+        if limit and self.cfg.policy == "first_audio":
+            first = self.predicted_first_audio_s(now)
+            if first is not None and first > limit:
+                raise AdmissionRefused(f"predicted first audio in {first * 1e3:.0f} ms (limit {limit * 1e3:.0f} ms)")
+
+    def predicted_first_audio_s(self, now: float) -> float | None:
+        """When a request arriving now would deliver its first audio: the step the device already holds, the
+        playing streams that would run dry first (one round covers them all, so the longest of them counts), then
+        the newcomers' chain with everyone already waiting batched in. None before the costs are measured."""
+        heads = list(self._heads())
+        waiting = sum(1 for r in heads if self.in_first_audio_class(r))
+        chain = self._newcomer_chain_s(waiting + 1)
+        if chain is None:
+            return None
+        ahead = 0.0
+        for r in heads:
+            if not self.in_first_audio_class(r) and r.generating and self._at_risk(r, now, chain, len(heads)):
+                ahead = max(ahead, self._next_chunk_s(r, len(heads)) or 0.0)
+        return self._in_flight_s + ahead + chain
 
     def _tail(self, cid: int, now: float) -> Request:
         """The segment that new text goes to (created when the last one is complete)."""
@@ -115,6 +147,9 @@ class Scheduler:
         req = self._tail(cid, now)
         if not req.text_ids:
             req.arrival = now  # time to first audio counts from the segment's first text
+            empty = self.contexts[cid].clock.buffer_empty_at()
+            # A later segment while the listener still plays the one before is continuation, not first audio.
+            req.newcomer = empty is None or empty <= now
             self._trace(cid, "first_text", now, segment=req.segment)
         req.text_ids.extend(ids)
 
@@ -154,6 +189,13 @@ class Scheduler:
             clock.ack_at, clock.ack_played_s, clock.ack_state = now, played_ms / 1000.0, state
             clock.ack_buffered_s = None if buffered_ms is None else buffered_ms / 1000.0
             clock.ack_delivered_s = clock.delivered_s
+
+    def mark_audible(self, cid: int, segment: int, now: float) -> None:
+        """The consumer's silence trimmer found the segment's audible onset: it leaves the first-audio class."""
+        for r in self.segments.get(cid, ()):
+            if r.segment == segment and r.audible_at is None:
+                r.audible_at = now
+                self._trace(cid, "audible", now, segment=segment)
 
     def fail(self, cid: int, message: str, now: float) -> None:
         ctx = self.contexts.get(cid)
@@ -196,19 +238,67 @@ class Scheduler:
         served = self._last_served.get(r.rid, r.arrival)
         return min(d, served + STARVATION_S)
 
+    def in_first_audio_class(self, r: Request) -> bool:
+        """Does the listener wait for this request's first audible audio? Until the consumer reports the onset
+        (a silent first chunk must not end the class); for a consumer that reports none, until the first chunk;
+        and never past first_audio_max_s of audio, so a lost report cannot hold a stream ahead of all others."""
+        if not r.newcomer or r.audible_at is not None:
+            return False
+        if r.first_audio_at is None:
+            return True
+        return r.context.reports_onset and r.frames_emitted * FRAME_S < self.cfg.first_audio_max_s
+
+    def _newcomer_chain_s(self, n: int) -> float | None:
+        """Device time from a newcomer's prefill to its first audio, n newcomers batched (None: not measured)."""
+        parts = (self.costs.step_s(Stage.PREFILL, n), self.costs.step_s(Stage.CODE_PREDICTOR, n),
+                 self.costs.step_s(Stage.CODEC, n, 1))
+        return None if any(p is None for p in parts) else sum(parts)
+
+    def _next_chunk_s(self, r: Request, streams: int) -> float | None:
+        """Device time until a playing stream's next codec chunk exists: the frames it still lacks (a Talker and
+        a Code Predictor step each, batched with the other streams), then the chunk's codec step."""
+        want = self.cfg.chunk_ramp[min(r.chunks, len(self.cfg.chunk_ramp) - 1)]
+        if r.stop_at is not None:
+            want = min(want, r.stop_at - r.frames_decoded)
+        if want <= 0:
+            return 0.0
+        missing = max(0, want - (r.frames_made - r.frames_decoded))
+        talker, cp = self.costs.step_s(Stage.TALKER, streams), self.costs.step_s(Stage.CODE_PREDICTOR, streams)
+        codec = self.costs.step_s(Stage.CODEC, streams, want)
+        if talker is None or cp is None or codec is None:
+            return None
+        return missing * (talker + cp) + codec
+
+    def _at_risk(self, r: Request, now: float, chain: float | None, streams: int) -> bool:
+        """Would this playing stream run dry if the newcomers' chain ran first? Slack below the chain, its own
+        next chunk and the step the device already holds says yes; before anything is measured, the safety lead
+        decides (the edf rule). Audio of codec steps already planned counts as delivered: it arrives one step
+        late, long before the rest of the chunk after it could be made."""
+        empty = r.context.clock.buffer_empty_at()
+        if empty is None:
+            return False
+        empty += (r.frames_decoded - r.frames_emitted) * FRAME_S
+        nxt = self._next_chunk_s(r, streams)
+        if chain is None or nxt is None:
+            return empty - self.cfg.safety_lead_s <= now
+        return empty - now < chain + nxt + self._in_flight_s
+
     def plan(self, now: float) -> StagePlan | None:
-        runnable: list[tuple[Request, Stage, int, float]] = []  # request, stage, codec chunk, deadline
-        for r in self._heads():
-            d = self.deadline(r, now)
+        runnable: list[tuple[Request, Stage, int, tuple]] = []  # request, stage, codec chunk, rank
+        heads = list(self._heads())
+        newcomers = [] if self.cfg.policy == "edf" else [r for r in heads if self.in_first_audio_class(r)]
+        chain = self._newcomer_chain_s(len(newcomers)) if newcomers else None
+        for r in heads:
+            rank = self._rank(r, now, newcomers, chain, len(heads))
             chunk = self.codec_chunk(r)
             if chunk:
-                runnable.append((r, Stage.CODEC, chunk, d))
+                runnable.append((r, Stage.CODEC, chunk, rank))
             stage = self.generation_stage(r)
             if stage is not None:
-                runnable.append((r, stage, 0, d))
+                runnable.append((r, stage, 0, rank))
         if not runnable:
             return None
-        urgent = [x for x in runnable if x[3] <= now]
+        urgent = [x for x in runnable if x[3][0] < NOT_URGENT]
         if urgent:
             # The anchor's most useful next stage: audio if it can make some, else generation.
             anchor = min(urgent, key=lambda x: (x[3], x[1] != Stage.CODEC))
@@ -216,13 +306,31 @@ class Scheduler:
         else:
             stage, chunk = self._throughput_stage(runnable)
         members = [x for x in runnable if x[1] == stage and (stage != Stage.CODEC or x[2] == chunk)]
-        members.sort(key=lambda x: (x[3] > now, x[3]))
+        members.sort(key=lambda x: x[3])
         size = self._step_rows(stage, chunk, min(len(members), self.cfg.max_batch[stage.value]))
         batch = [x[0] for x in members[:size]]
+        self._in_flight_s = self.costs.step_s(stage, len(batch), max(chunk, 1)) or 0.0
         rows = [self._advance(r, stage, chunk, now) for r in batch]
         for r in batch:
             self._last_served[r.rid] = now
         return StagePlan(stage, rows)
+
+    def _rank(self, r: Request, now: float, newcomers: list[Request], chain: float | None, streams: int) -> tuple:
+        """(class, time): lower runs first. Without newcomers (or under edf) every urgent request shares one
+        deadline axis; with newcomers, playing streams at risk of running dry come first, then the newcomers in
+        arrival order, then other urgent playing streams, then (NOT_URGENT) the rest by deadline."""
+        d = self.deadline(r, now)
+        if not newcomers:
+            return (URGENT if d <= now else NOT_URGENT, d)
+        if self.in_first_audio_class(r):
+            return (NEWCOMER, r.arrival)
+        if r.generating or self.codec_chunk(r):
+            if self._at_risk(r, now, chain, streams):
+                return (URGENT, d)
+        starving = self._last_served.get(r.rid, r.arrival) + STARVATION_S <= now
+        if starving:
+            return (URGENT, d)
+        return (PLAYING_URGENT if d <= now else NOT_URGENT, d)
 
     def _step_rows(self, stage: Stage, chunk: int, rows: int) -> int:
         """The largest batch (at least one row) whose predicted step fits max_step_s: a request that arrives

@@ -202,7 +202,8 @@ async def speech(request: Request) -> Response:
             instruction_ids = rt.tokenizer.encode("user\n" + req.options.instructions)
         trace_id = uuid.uuid4().hex
         spec = ContextSpec(voice=req.options.voice, language=req.options.language, instruction_ids=instruction_ids,
-                           text_layout=req.options.text_layout, sampling=req.options.sampling, trace_id=trace_id)
+                           text_layout=req.options.text_layout, sampling=req.options.sampling, trace_id=trace_id,
+                           reports_onset=True)
         try:
             audio = HttpAudioStream(req.response_format, opus_complexity=rt.config.opus_complexity)
         except RuntimeError as exc:
@@ -379,7 +380,10 @@ class SpeechStream(Response):
             if isinstance(ev, AudioChunk):
                 self.frames += int(ev.codes.shape[0])
                 self.codes.update(ev.codes.astype("<i8", copy=False).tobytes())
-                yield await loop.run_in_executor(pool, self.audio.process, ev.pcm), None
+                body = await loop.run_in_executor(pool, self.audio.process, ev.pcm)
+                if self.audio.trimmer.passing:  # the onset: the segment's first-audio priority ends
+                    self.ectx.mark_audible(ev.segment)
+                yield body, None
             elif isinstance(ev, SegmentDone):
                 if ev.reason == "max_frames":  # a segment cut short: the response says so even if later ones end
                     self.segment_cut = True

@@ -140,6 +140,8 @@ class WsContext:
                     self.codes.update(ev.codes.astype("<i8", copy=False).tobytes())
                     self.last_activity = time.monotonic()
                     packets = await loop.run_in_executor(pool, self.audio.process, ev.pcm)
+                    if self.audio.trimmer.passing:  # the onset: the segment's first-audio priority ends
+                        self.ectx.mark_audible(ev.segment)
                     if self.cancelled:
                         return
                     self._send_packets(packets)

@@ -172,7 +172,8 @@ class MessageHandlers:
             raise ProtocolError("unsupported_format", str(exc), "output_format") from None
         trace_id = uuid.uuid4().hex
         spec = ContextSpec(voice=opts.voice, language=opts.language, instruction_ids=instruction_ids,
-                           text_layout=opts.text_layout, sampling=opts.sampling, trace_id=trace_id)
+                           text_layout=opts.text_layout, sampling=opts.sampling, trace_id=trace_id,
+                           reports_onset=True)
         ectx = rt.engine.open_context(spec)  # InvalidRequest / Overloaded
         ctx = WsContext(self, cid, opts, ectx, next(self._stream_ids) & 0xFFFFFFFF, trace_id,
                         TextPipeline(rt.tokenizer, opts.text_normalization), audio)

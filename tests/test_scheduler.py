@@ -309,3 +309,95 @@ def test_a_step_predicted_too_long_is_split_so_newcomers_wait_less():
     assert max(n for n, c in capped if c == 12) == 10  # 0.002 + 0.0018 * 10 = 20 ms; 11 rows: 21.8 ms
     uncapped = codec_batches(0.0)
     assert max(codec_heavy(Stage.CODEC, n, c) for n, c in uncapped) > 0.021  # e.g. 16 rows x 12 frames: 31 ms
+
+
+# ---------------------------------------------------------------------- first audio first (issue 13)
+def serve(sched, runner, clock, until, limit=500):
+    """Plan, run and collect one step at a time (no step left in flight) until `until()` holds."""
+    emitted = []
+    for _ in range(limit):
+        if until(emitted):
+            return emitted
+        plan = sched.plan(clock())
+        assert plan is not None, "nothing runnable"
+        emitted += sched.update(runner.collect(runner.launch(plan)), clock())
+    raise AssertionError("condition not reached")
+
+
+def playing_and_newcomer(policy, reports_onset=False):
+    """One stream playing with some slack (2 chunks, 240 ms, out), then a newcomer."""
+    sched, _, runner, clock, _ = make(SchedulerConfig(max_slots=16, policy=policy))
+    setup = ContextSetup(resolve_voice(MODEL, "ryan", "english"), None, "whole", reports_onset)
+    a = sched.open_context(setup, SamplingParams(max_frames=200, min_frames=200), clock())
+    sched.append_text(a, list(range(100, 140)), clock())
+    sched.end_segment(a, 40, clock(), close=True)
+    serve(sched, runner, clock, lambda em: len(audio(em, a)) >= 2)
+    sched.mark_audible(a, 0, clock())
+    b = open_ctx(sched, clock, words=3, layout="whole", max_frames=20)
+    return sched, runner, clock, a, b
+
+
+@pytest.mark.parametrize("policy", ["first_audio", "edf"])
+def test_a_newcomer_runs_ahead_of_a_playing_stream_that_has_slack(policy):
+    """The playing stream has delivered 3 frames (240 ms) in about 20 ms of 2 ms steps, so under edf its deadline
+    (buffer end - 250 ms safety lead) is earlier than the newcomer's arrival and it keeps the device; under
+    first_audio the newcomer's chain (3 steps) plus the stream's next chunk fits in its slack, so the newcomer
+    goes first."""
+    sched, runner, clock, a, b = playing_and_newcomer(policy)
+    ctx_a = sched.contexts[a]
+    assert ctx_a.clock.buffer_empty_at() - sched.cfg.safety_lead_s < clock()  # urgent by the edf rule
+    plan = sched.plan(clock())
+    if policy == "first_audio":
+        assert plan.stage == Stage.PREFILL and [r.cid for r in plan.rows] == [b]
+    else:
+        assert b not in [r.cid for r in plan.rows]
+
+
+def test_a_playing_stream_about_to_run_dry_goes_ahead_of_a_newcomer():
+    sched, runner, clock, a, b = playing_and_newcomer("first_audio")
+    empty = sched.contexts[a].clock.buffer_empty_at()
+    clock.t = empty - 0.010  # 10 ms of audio left: less than any newcomer chain plus a 4-frame chunk
+    plan = sched.plan(clock())
+    assert a in [r.cid for r in plan.rows] and plan.stage != Stage.PREFILL
+
+
+def test_first_audio_class_holds_until_the_reported_onset():
+    sched, _, runner, clock, _ = make(SchedulerConfig(max_slots=16, first_audio_max_s=0.5))
+    voice = resolve_voice(MODEL, "ryan", "english")
+    cids = {}
+    for name, reports in (("reports", True), ("silent", True), ("plain", False)):
+        cids[name] = sched.open_context(ContextSetup(voice, None, "whole", reports),
+                                        SamplingParams(max_frames=40, min_frames=40), clock())
+        sched.append_text(cids[name], [100, 101, 102], clock())
+        sched.end_segment(cids[name], 3, clock(), close=True)
+    head = {name: sched.segments[cid][0] for name, cid in cids.items()}
+    assert all(sched.in_first_audio_class(r) for r in head.values())
+    serve(sched, runner, clock, lambda em: all(audio(em, cid) for cid in cids.values()))
+    # a first chunk alone ends the class only for a consumer that reports no onset
+    assert not sched.in_first_audio_class(head["plain"])
+    assert sched.in_first_audio_class(head["reports"]) and sched.in_first_audio_class(head["silent"])
+    sched.mark_audible(cids["reports"], 0, clock())
+    assert not sched.in_first_audio_class(head["reports"])
+    # never reported: the class ends after first_audio_max_s of audio (0.5 s: 7 frames)
+    serve(sched, runner, clock, lambda em: head["silent"].frames_emitted * 0.08 >= 0.5)
+    assert not sched.in_first_audio_class(head["silent"])
+
+
+def test_a_later_segment_while_the_listener_still_plays_is_not_a_newcomer():
+    sched, _, runner, clock, _ = make()
+    cid = open_ctx(sched, clock, words=10, close=False, layout="dual", max_frames=200, min_frames=200)
+    sched.end_segment(cid, 10, clock())
+    serve(sched, runner, clock, lambda em: len(audio(em, cid)) >= 3)
+    sched.append_text(cid, [200, 201], clock())  # segment 1's first text: segment 0's audio still plays
+    assert not sched.segments[cid][-1].newcomer
+
+
+def test_admission_refuses_a_newcomer_whose_predicted_first_audio_is_too_late():
+    sched, runner, clock, a, b = playing_and_newcomer("first_audio")
+    predicted = sched.predicted_first_audio_s(clock())
+    assert predicted is not None and predicted >= 3 * runner.step_s  # at least prefill, CP, codec
+    sched.cfg = SchedulerConfig(max_slots=16, admission_first_audio_s=predicted * 0.9)
+    with pytest.raises(AdmissionRefused, match="predicted first audio"):
+        open_ctx(sched, clock)
+    sched.cfg = SchedulerConfig(max_slots=16, admission_first_audio_s=predicted * 1.5)
+    open_ctx(sched, clock)

@@ -95,6 +95,9 @@ def test_slow_http_reader_is_cut_off():
         def cancel(self):
             self.cancelled = True
 
+        def mark_audible(self, segment):
+            pass
+
     async def never_disconnects():
         await asyncio.sleep(3600)
 

@@ -133,7 +133,8 @@ class Simulation:
         self.by_cid: dict[int, Listener] = {}
         self.runner = SimRunner(profile, self.clock, self.events, self.options.host_step_s,
                                 lambda cid: self.by_cid[cid].arrival.silent_frames, max(cfg.chunk_ramp))
-        self.core = EngineCore(self.scheduler, self.runner, self._deliver, Timeline(1), self.clock)
+        self.core = EngineCore(self.scheduler, self.runner, self._deliver, Timeline(1), self.clock,
+                               plan_lead_s=cfg.plan_lead_s, sleep=self._sleep)
         for listener in self.listeners:
             self.events.at(listener.arrival.at, lambda t, x=listener: self._arrive(x, t))
 
@@ -149,7 +150,7 @@ class Simulation:
         a = x.arrival
         layout = "whole" if a.mode == "whole" else "dual"
         try:
-            x.cid = self._call(self.scheduler.open_context, ContextSetup(self.voice, None, layout),
+            x.cid = self._call(self.scheduler.open_context, ContextSetup(self.voice, None, layout, True),
                                SamplingParams(seed=a.index, min_frames=0), t)
         except AdmissionRefused as exc:
             x.refused = str(exc)
@@ -185,10 +186,20 @@ class Simulation:
             if e.kind == "audio":
                 was_playing = x.first_audible_at is not None
                 x.packet(now, e, x.arrival.silent_frames)
-                if not was_playing and x.first_audible_at is not None and self.options.ack_interval_s > 0:
-                    self.events.at(now + self.options.ack_interval_s, lambda ta, x=x: self._ack(x, ta))
+                if not was_playing and x.first_audible_at is not None:
+                    # the server's trimmer reports the onset (its executor hop is not modelled)
+                    self.scheduler.mark_audible(e.cid, e.segment, now)
+                    if self.options.ack_interval_s > 0:
+                        self.events.at(now + self.options.ack_interval_s, lambda ta, x=x: self._ack(x, ta))
             elif e.kind == "context_done":
                 x.done_at = now
+
+    def _sleep(self, seconds: float) -> None:
+        """The engine thread's late-planning wait: any event (a call from the server) wakes it, as wake does."""
+        until = self.clock.t + seconds
+        nxt = self.events.next_time()
+        self.clock.t = until if nxt is None else min(until, max(nxt, self.clock.t))
+        self.events.run_until(self.clock.t)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> SimReport:

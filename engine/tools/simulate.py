@@ -24,6 +24,10 @@ from engine.sim.workload import poisson_workload
 def scheduler_config(args) -> SchedulerConfig:
     cfg = SchedulerConfig(max_slots=args.max_slots)
     overrides = {"max_step_s": args.max_step_ms / 1e3}
+    if args.chunk_ramp is not None:
+        overrides["chunk_ramp"] = tuple(args.chunk_ramp)
+    if args.plan_lead_ms is not None:
+        overrides["plan_lead_s"] = args.plan_lead_ms / 1e3
     if args.policy is not None:
         overrides["policy"] = args.policy
     return replace(cfg, **overrides)
@@ -43,7 +47,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--host-step-ms", type=float, default=0.3, help="host time of one engine iteration")
     ap.add_argument("--max-slots", type=int, default=64)
     ap.add_argument("--max-step-ms", type=float, default=20.0)
-    ap.add_argument("--policy", default=None, help="SchedulerConfig.policy (default: the configured one)")
+    ap.add_argument("--policy", default=None, help="SchedulerConfig.policy: first_audio or edf (default: the "
+                    "configured one)")
+    ap.add_argument("--chunk-ramp", type=int, nargs="+", default=None, help="codec frames per chunk (default: "
+                    "the configured ramp)")
+    ap.add_argument("--plan-lead-ms", type=float, default=None, help="plan the next step this long before the "
+                    "running one ends (0: at once, the device queue two deep; default: the configured one)")
     ap.add_argument("--out", default=None, help="write the summaries as JSON here")
     a = ap.parse_args(argv)
     profile = StageProfile.from_json(a.profile, a.graphs)
@@ -51,7 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
     options = SimOptions(host_step_s=a.host_step_ms / 1e3, word_interval_s=a.word_interval_ms / 1e3,
                          ack_interval_s=a.ack_interval_ms / 1e3)
     results = {}
-    print(f"simulated (profile {a.profile}, policy {getattr(cfg, 'policy', 'edf')}, {a.mode}, {a.duration:g} s)")
+    print(f"simulated (profile {a.profile}, policy {cfg.policy}, plan lead {cfg.plan_lead_s * 1e3:g} ms, {a.mode}, "
+          f"{a.duration:g} s)")
     print(f"{'rps':>5} {'offered':>7} {'refused':>7} {'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7} {'underrun':>8} "
           f"{'busy':>5} {'wall s':>6}")
     for rps in a.rps:
