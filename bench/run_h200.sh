@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 report's load points, all against one server started here (docs/benchmarks/README.md says why each).
-#   bench/run_h200.sh OUT_DIR PHASE...      phases: profile engine (no server), w1 capacity w2 w3
+#   bench/run_h200.sh OUT_DIR PHASE...      phases: profile engine (no server), w1 w1:RPS:WINDOW_S capacity w2 w3
 # (MODEL, SERVER_ARGS, WARMUP, WINDOW, W1_RPS override the defaults, e.g. for a CPU smoke run with tiny-random.)
 # On a copy of the tree whose git metadata is stale, set VOICELANE_COMMIT so the reports name the right commit.
 # capacity is resumable: keep OUT_DIR/capacity_w1.json and run the phase again until it exits 0.
@@ -45,6 +45,9 @@ for phase in "$@"; do
     capacity) python3 -m bench.capacity "${COMMON[@]}" --workload w1 --start 1 --factor 2 --min-rps 0.25 \
           --max-rps 40 --resolution 0.1 --min-step 0.25 --budget "${CAPACITY_BUDGET:-240}" \
           --state "$OUT/capacity_w1.json"; rc=$?; [ $rc -eq 0 ] || { echo "capacity: exit $rc (75 = run again)"; status=$rc; } ;;
+    w1:*:*) IFS=: read -r _ rps window <<<"$phase"  # one rate, its own window (e.g. w1:10:300)
+        python3 -m bench.loadgen --url "$URL" --warmup "${WARMUP:-15}" --window "$window" --seed 0 --workload w1 \
+          --rps "$rps" --baseline "$BASE" --out "$OUT/w1_rps${rps}_${window}s.json" || status=1 ;;
     w2) python3 -m bench.loadgen "${COMMON[@]}" --workload w2 --rps 5 --baseline "$BASE" \
           --out "$OUT/w2_rps5.json" || status=1 ;;
     w3) python3 -m bench.loadgen "${COMMON[@]}" --workload w3 --rps 5 --out "$OUT/w3_rps5.json" || status=1 ;;
