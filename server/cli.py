@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import replace
@@ -223,7 +224,31 @@ def make_loader(cfg: ServerConfig):
     return load
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything starts: when uvicorn found the port taken it exited while the
+    model was loading on another thread, and the process died with SIGABRT instead of saying why."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts reuse TIME_WAIT
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def serve(cfg: ServerConfig) -> int:
+    try:
+        sock = listen(cfg.host, cfg.port)
+    except OSError as exc:
+        print(f"voicelane: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc} (is another server "
+              "running there? pick another --port)", file=sys.stderr)
+        return 1
     import uvicorn
 
     from server.app import create_app
@@ -257,7 +282,7 @@ def serve(cfg: ServerConfig) -> int:
                             lifespan="on")
     server = DrainingServer(config, runtime)
     runtime.on_load_failure = lambda: setattr(server, "should_exit", True)
-    server.run()
+    server.run(sockets=[sock])
     if runtime.load_error:
         print(f"voicelane: the model could not be loaded: {runtime.load_error}", file=sys.stderr)
         return 1
