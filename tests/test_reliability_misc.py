@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -159,3 +160,33 @@ def test_a_port_in_use_is_a_clean_error(tiny_checkpoint):
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
     assert re.search(rf"cannot listen on 127\.0\.0\.1:{port}: .*in use", proc.stderr), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_double_ctrl_c_stops_at_once_without_tracebacks(tiny_checkpoint):
+    """Item 8: the first Ctrl-C drains, a second one stops at once; that printed KeyboardInterrupt and
+    CancelledError tracebacks (uvicorn re-raised the signal, and skipped the lifespan's shutdown)."""
+    from live_server import CONFIGS, speak_ctx, start_server
+
+    server = start_server(tiny_checkpoint, [*CONFIGS["default"], "--drain-timeout-s", "30"])
+    try:
+        async def go():
+            raw = await Raw.open(server.ws_url)
+            await speak_ctx(raw, "long", [], close=False)  # never completes: the drain would wait 30 s
+            await raw.send({"type": "text", "context_id": "long", "text": "one two three four ", "flush": True})
+            await asyncio.sleep(0.5)
+            server.signal(signal.SIGINT)
+            await raw.expect("session.draining", timeout=10)
+            server.signal(signal.SIGINT)
+            t0 = time.monotonic()
+            await raw.closed(15)
+            return t0
+
+        t0 = run(go(), timeout=60)
+        code = server.proc.wait(15)
+        took = time.monotonic() - t0
+        log = server.log_text()
+    finally:
+        server.stop()
+    assert code == 130 and took < 10, (code, took, log[-3000:])
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log and "CancelledError" not in log, log[-3000:]
+    assert "stopped by SIGINT without draining" in log
