@@ -4,6 +4,9 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip install --disable-pip-version-check -q
 TORCH   ?= torch==2.13.0
+# PyPI's Linux torch wheel brings several GB of CUDA libraries. On a laptop or any machine without an NVIDIA GPU:
+#   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 ARGS    ?=
 
 .PHONY: setup system-deps test-deps serve test lint clean
@@ -17,7 +20,8 @@ system-deps:
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) $(TORCH)
+	@echo "installing $(TORCH)$(if $(TORCH_INDEX), from $(TORCH_INDEX), from PyPI: with CUDA libraries (several GB; CPU only: make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu))"
+	$(PY) -m pip install --disable-pip-version-check --progress-bar on $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) -e '.[server]'
 	# The real Qwen BPE ranks (qwen.tiktoken) ship in the dashscope wheel; only that file is read.
 	$(PIP) --no-deps dashscope==2.0.2

@@ -89,6 +89,16 @@ async def engine_trace(request: Request) -> Response:
     return Response(rt.engine.chrome_trace(), media_type="application/json")
 
 
+async def test_state(request: Request) -> Response:
+    """Test hook (--enable-test-hooks only): what leak tests count, which /metrics does not show."""
+    import asyncio
+
+    rt: Runtime = request.app.state.runtime
+    return JSONResponse({"tasks": len(asyncio.all_tasks()), "sessions": len(rt.sessions),
+                         "http_streams": rt.http_streams,
+                         "engine": rt.engine.stats() if rt.engine is not None else None})
+
+
 async def not_found(request: Request, exc) -> Response:
     return error_response("not_found", f"no route {request.url.path}")
 
@@ -155,6 +165,8 @@ def create_app(runtime: Runtime, loader: Callable[[], tuple] | None = None) -> S
         Route("/v1/models", openai_api.models),
         WebSocketRoute("/v1/tts/ws", websocket_endpoint),
     ]
+    if runtime.config.test_hooks:
+        routes.append(Route("/debug/test/state", test_state))
     demo = _demo_index()
     if demo is not None:  # the browser demo (client_demo/): index.html at / and its assets beside it
         async def demo_page(request: Request) -> Response:

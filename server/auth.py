@@ -11,13 +11,16 @@ Where a key may be given:
 
 Origins: a request without an `Origin` header (not a browser) passes. A browser origin passes when it is the
 server's own (same scheme-less host:port as the Host header), is listed in `--allowed-origins`, or that list
-holds "*".
+holds "*". On a server without API keys, "the server's own" also needs the Host to be an IP address or localhost:
+under DNS rebinding a hostile page's name resolves to this server, and its Origin then equals the Host it sends,
+so only a Host that no rebinding can forge proves the page was loaded from this server.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import secrets
 from collections.abc import Iterable, Mapping
@@ -88,11 +91,28 @@ def subprotocol_token(subprotocols: Iterable[str]) -> str | None:
     return None
 
 
+def _unforgeable_host(host: str) -> bool:
+    """An IP literal or localhost, with or without a port: a name no DNS answer can point elsewhere."""
+    host = host.strip().lower()
+    if host.startswith("["):  # [v6]:port
+        name = host[1:].partition("]")[0]
+    else:
+        name = host.rpartition(":")[0] if host.count(":") == 1 else host
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 class OriginPolicy:
-    def __init__(self, allowed: Iterable[str]):
+    def __init__(self, allowed: Iterable[str], check_host: bool = False):
         allowed = [a.strip().rstrip("/") for a in allowed if a.strip()]
         self.any = "*" in allowed
         self.allowed = {a.lower() for a in allowed if a != "*"}
+        self.check_host = check_host  # no API keys: the same-origin rule alone would pass a rebound name
 
     def allows(self, origin: str | None, host: str | None) -> bool:
         if not origin:
@@ -103,7 +123,9 @@ class OriginPolicy:
         if o == "null":
             return False
         netloc = urlsplit(o).netloc
-        return bool(host) and netloc == host.strip().lower()
+        if not host or netloc != host.strip().lower():
+            return False
+        return not self.check_host or _unforgeable_host(host)
 
     def cors_origins(self) -> list[str]:
         return ["*"] if self.any else sorted(self.allowed)

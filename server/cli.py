@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import replace
@@ -201,7 +203,7 @@ def make_loader(cfg: ServerConfig):
 
         from engine.engine import Engine
         from engine.text.tokenizer import TextTokenizer
-        from server.model_source import RANDOM_NOTICE, load_model, resolve_dtype
+        from server.model_source import RANDOM_NOTICE, is_random, load_model, resolve_dtype
 
         if cfg.device == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
@@ -209,7 +211,7 @@ def make_loader(cfg: ServerConfig):
         loaded = load_model(cfg.model, cfg.device, resolve_dtype(cfg.dtype, cfg.device), cfg.random_seed)
         log.info("model %s loaded in %.1f s on %s (%s)", cfg.model, time.monotonic() - t0, loaded.device,
                  loaded.dtype)
-        if loaded.random_weights and cfg.model not in ("tiny-random",) and not cfg.model.startswith("random:"):
+        if loaded.random_weights and not is_random(cfg.model):  # else print_config has shown it
             print(RANDOM_NOTICE.format(model=cfg.model), file=sys.stderr)
         tokenizer = TextTokenizer.from_dir(loaded.tokenizer_dir)
         engine = Engine(loaded, cfg.engine)
@@ -223,7 +225,31 @@ def make_loader(cfg: ServerConfig):
     return load
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything starts: when uvicorn found the port taken it exited while the
+    model was loading on another thread, and the process died with SIGABRT instead of saying why."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts reuse TIME_WAIT
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def serve(cfg: ServerConfig) -> int:
+    try:
+        sock = listen(cfg.host, cfg.port)
+    except OSError as exc:
+        print(f"voicelane: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc} (is another server "
+              "running there? pick another --port)", file=sys.stderr)
+        return 1
     import uvicorn
 
     from server.app import create_app
@@ -257,11 +283,33 @@ def serve(cfg: ServerConfig) -> int:
                             lifespan="on")
     server = DrainingServer(config, runtime)
     runtime.on_load_failure = lambda: setattr(server, "should_exit", True)
-    server.run()
+    # uvicorn puts back the handlers it found once it stops; the default SIGINT one would turn a Ctrl-C during the
+    # rest of the shutdown into a KeyboardInterrupt traceback. Ours only notes it (a third one exits at once).
+    late: list[int] = []
+
+    def late_signal(sig, frame):
+        late.append(sig)
+        if len(late) > 1:
+            os._exit(128 + sig)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, late_signal)
+    server.run(sockets=[sock])
+    code = 0
     if runtime.load_error:
         print(f"voicelane: the model could not be loaded: {runtime.load_error}", file=sys.stderr)
-        return 1
-    return 0
+        code = 1
+    elif server.stopped_by is not None:
+        log.info("stopped by %s without draining", signal.Signals(server.stopped_by).name)
+        code = 128 + server.stopped_by  # what a shell reports for a process a signal ended
+    if runtime.loading:
+        # stopped while the model loads: the interpreter's exit would tear torch down under the loader thread
+        # ("terminate called without an active exception", SIGABRT), so leave without it
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _server_class():
@@ -274,13 +322,28 @@ def _server_class():
             super().__init__(config)
             self.runtime = runtime
             self._drain_task = None
+            self.stopped_by: int | None = None  # the signal that stopped the server without a drain
 
         def handle_exit(self, sig, frame):
             loop = self.runtime.loop or _running_loop()
             if self.runtime.draining or loop is None or self.runtime.engine is None:
-                return super().handle_exit(sig, frame)
+                super().handle_exit(sig, frame)
+                # uvicorn raises the signals it caught again once it has stopped, and a SIGINT raised then is a
+                # KeyboardInterrupt traceback at exit (a double Ctrl-C printed two). The stop was what the signal
+                # asked for: serve() reports it in the exit status instead.
+                self._captured_signals.clear()
+                self.stopped_by = sig
+                return
             log.info("signal %s: draining (again to stop at once)", signal.Signals(sig).name)
             loop.call_soon_threadsafe(self._start_drain)
+
+        async def shutdown(self, sockets=None):
+            await super().shutdown(sockets=sockets)
+            if self.force_exit:
+                # uvicorn skips the lifespan's shutdown on a forced exit; the lifespan task is then cancelled at
+                # the loop's end and logged as an ERROR traceback. Run it (it only stops the engine), bounded.
+                with contextlib.suppress(Exception, asyncio.TimeoutError):
+                    await asyncio.wait_for(self.lifespan.shutdown(), 2.0)
 
         def _start_drain(self):
             self.runtime.start_drain()
@@ -309,6 +372,15 @@ def DrainingServer(config, runtime):  # noqa: N802 - a class made lazily (uvicor
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the server took over its signals (flags, imports): no traceback
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # nor from a second one while the interpreter exits
+        print("voicelane: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:

@@ -290,7 +290,7 @@ class WsSession(MessageHandlers):
             message = await self.ws.receive()
             if message["type"] == "websocket.disconnect":
                 if self.close_code is None:
-                    self.close_code = message.get("code")
+                    self.close_code = disconnect_code(self.ws, message.get("code"))
                     if self.close_code == 1009:
                         self.runtime.metrics.rejections.inc("ws", "message_too_big")
                 return
@@ -328,12 +328,27 @@ class WsSession(MessageHandlers):
                      ctx.frames, ctx.generated_samples / 24.0, ctx.sent_end_ms)
 
 
+def _uvicorn_protocol(ws: WebSocket):
+    return getattr(getattr(ws, "_receive", None), "__self__", None)
+
+
+def disconnect_code(ws: WebSocket, code: int | None) -> int | None:
+    """The close code of a client that went away. uvicorn reports a connection lost after the handshake as 1005
+    (a close frame without a code) whether or not a close frame came; without one it was an abnormal closure,
+    1006 (RFC 6455 7.1.5), which is what the metrics must count."""
+    if code != 1005:
+        return code
+    conn = getattr(_uvicorn_protocol(ws), "conn", None)
+    if conn is not None and hasattr(conn, "close_rcvd") and conn.close_rcvd is None:
+        return 1006
+    return code
+
+
 def abort_transport(ws: WebSocket, session_id: str) -> None:
     """Drop the TCP connection of a client that does not read. A graceful close would flush the transport's
     buffer first, which such a client never lets happen, so its file descriptor would stay open. Reaches the
     uvicorn protocol behind the ASGI `receive` callable; where there is none, the server's own close applies."""
-    protocol = getattr(getattr(ws, "_receive", None), "__self__", None)
-    transport = getattr(protocol, "transport", None)
+    transport = getattr(_uvicorn_protocol(ws), "transport", None)
     if transport is not None and hasattr(transport, "abort"):
         log.info("session %s: the client does not read: connection aborted", session_id)
         transport.abort()

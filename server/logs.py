@@ -11,17 +11,34 @@ import contextvars
 import logging
 import re
 import sys
+from urllib.parse import unquote_plus
 
 current_trace: contextvars.ContextVar[str | None] = contextvars.ContextVar("voicelane_trace_id", default=None)
 log = logging.getLogger("voicelane.server")
 
 FORMAT = "%(asctime)s %(levelname)-7s %(name)s %(trace)s%(message)s"
-_SECRET = re.compile(r"((?:token|api_key|key)=|bearer[. ])[^&\s\"',]+", re.IGNORECASE)
+_BEARER = re.compile(r"(bearer[. ])[^&\s\"',]+", re.IGNORECASE)
+# name=value at the start, after whitespace or a query separator; the name is judged once decoded, since the
+# server decodes it before reading the key (?%74oken=<key> is ?token=<key>)
+_PARAM = re.compile(r"(?<![^?&;\s])([^=&;\s\"'#]+)=([^&;\s\"'#]*)")
+
+
+def _secret_name(raw: str) -> bool:
+    name = raw
+    for _ in range(4):  # %2574oken decodes to %74oken, then to token
+        decoded = unquote_plus(name, errors="replace")
+        if decoded == name:
+            break
+        name = decoded
+    name = name.strip().lower().replace("-", "_")
+    return "token" in name or "key" in name or name in ("auth", "authorization", "password", "secret")
 
 
 def redact(text: str) -> str:
-    """Hide credentials in a log message (uvicorn logs WebSocket paths with their query string)."""
-    return _SECRET.sub(r"\1***", text)
+    """Hide credentials in a log message (uvicorn logs WebSocket paths with their query string): the value of
+    every parameter whose name, however spelled or percent-encoded, is a token or a key, and bearer tokens."""
+    text = _PARAM.sub(lambda m: f"{m.group(1)}=***" if _secret_name(m.group(1)) else m.group(0), text)
+    return _BEARER.sub(r"\1***", text)
 
 
 class TraceFilter(logging.Filter):
@@ -33,9 +50,10 @@ class TraceFilter(logging.Filter):
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - a broken log call must not break logging
             return True
-        low = message.lower()
-        if "token=" in low or "key=" in low or "bearer" in low:
-            record.msg, record.args = redact(message), None
+        if "=" in message or "bearer" in message.lower():
+            redacted = redact(message)
+            if redacted != message:
+                record.msg, record.args = redacted, None
         return True
 
 

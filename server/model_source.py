@@ -50,7 +50,10 @@ def cache_dir() -> Path:
 
 
 def is_random(spec: str) -> bool:
-    return spec == TINY_RANDOM or spec.startswith("random:")
+    """Random weights: tiny-random, random:<size>, or a folder written by engine.tools.make_checkpoint."""
+    from engine.tools.make_checkpoint import is_random_checkpoint
+
+    return spec == TINY_RANDOM or spec.startswith("random:") or is_random_checkpoint(Path(spec).expanduser())
 
 
 def _make_once(target: Path, build) -> Path:
@@ -112,6 +115,8 @@ def load_model(spec: str, device: str, dtype: torch.dtype, seed: int = 0) -> Loa
         raise ModelSourceError(f"--model {spec!r} is not a directory; give a Qwen3-TTS checkpoint directory, "
                                "tiny-random, random:1.7b or random:0.6b")
     loaded = load_checkpoint(path, device, dtype)
+    if is_random(spec):
+        loaded.random_weights = True
     if loaded.tokenizer_dir is None:
         raise ModelSourceError(f"{path}: no tokenizer files (tokenizer.json or vocab.json + merges.txt)")
     return loaded

@@ -40,7 +40,7 @@ class Runtime:
         self.metrics = ServerMetrics()
         self.keys = KeyChecker(config.api_keys)
         self.metrics_keys = KeyChecker(config.metrics_key)
-        self.origins = OriginPolicy(config.allowed_origins)
+        self.origins = OriginPolicy(config.allowed_origins, check_host=not self.keys.enabled)
         self.rate_limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst)
         self.executor = ThreadPoolExecutor(max_workers=config.encode_threads, thread_name_prefix="voicelane-audio")
         self.sessions: set[WsSession] = set()

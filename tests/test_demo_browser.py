@@ -188,7 +188,22 @@ def test_demo_page_plays_and_barges_in(chromium, server, tmp_path, record_proper
             record_property("underruns", snap["audio"]["underruns"])  # in the JUnit XML report
             record_property("ttfa_played_ms", u["first_played_ms"])
 
-            # 4. screenshot
+            # 4. a refused context shows its code and message, not a bare "error" (issue 10, item 8)
+            page.evaluate("""() => { const v = document.getElementById('voice'); const o = new Option('nobody');
+                                     v.add(o); v.value = 'nobody'; v.dispatchEvent(new Event('change')); }""")
+            page.fill("#text", "Refused.")
+            page.click("#speak")
+            page.wait_for_function("(() => { const u = window.voicelane.snapshot().utterances[2];"
+                                   " return u && u.error; })()", timeout=30_000)
+            refused = _utterance(page, 2)
+            assert refused["error"].startswith("unknown_voice: "), refused
+            status_line = page.text_content("#status")
+            assert "refused: unknown_voice: " in status_line and "nobody" in status_line, status_line
+            cells = page.eval_on_selector_all("#utterances tr:first-child td", "tds => tds.map(t => t.textContent)")
+            assert cells[-1].startswith("unknown_voice: "), cells
+            page.select_option("#voice", "ryan")
+
+            # 5. screenshot
             page.evaluate("window.scrollTo(0, 0)")
             page.wait_for_timeout(300)  # one more readout refresh
             shot = tmp_path / "demo.png"

@@ -15,7 +15,14 @@ import time
 from live_server import CONFIGS, Raw, collect, run, speak_ctx, start_server
 
 DRAIN_S = 3.0
-LONG = " ".join(f"word{i}" for i in range(200))  # 400 frames: 32 s of audio, far past the deadline
+# Whether a stream outlasts the deadline must not depend on how fast the CPU is: the test servers cap a segment at
+# 64 frames (--max-frames 64), so one long segment ends with `max_frames` after 5 s of audio, before the deadline
+# on a fast machine (the drain is then right to let it finish, and the test has nothing to cut). So the HTTP input
+# is 96 s of audio in segments (a stream would need 300 frames/s to finish within the deadline, some 25x what the
+# tiny model does here), and the long WebSocket context is flushed segments whose input never closes: it cannot
+# complete, whatever the speed, and still has audio to generate when the deadline comes.
+LONG = " ".join(f"word{i}" for i in range(600))  # 1200 frames at 2 frames per word
+WS_SEGMENTS, WS_SEGMENT_WORDS = 30, 10  # 600 frames, each segment of 20 within the 64-frame cap
 
 
 def post_stream(port: int, body: dict, out: dict) -> None:
@@ -45,7 +52,10 @@ def test_drain_with_websocket_and_http_in_flight(tiny_checkpoint):
         async def go():
             raw = await Raw.open(server.ws_url)
             short = await speak_ctx(raw, "short", ["four ", "words ", "in ", "time"])
-            await speak_ctx(raw, "long", [w + " " for w in LONG.split()[:120]])
+            await speak_ctx(raw, "long", [], close=False)
+            for seg in range(WS_SEGMENTS):
+                text = " ".join(f"s{seg}w{i}" for i in range(WS_SEGMENT_WORDS)) + " "
+                await raw.send({"type": "text", "context_id": "long", "text": text, "flush": True})
             threads = [threading.Thread(target=post_stream, args=(server.port, bodies[n], results[n]))
                        for n in bodies]
             for t in threads:
@@ -55,9 +65,15 @@ def test_drain_with_websocket_and_http_in_flight(tiny_checkpoint):
             server.signal(signal.SIGTERM)
             got = await collect(raw, "short", short["stream_id"], timeout=DRAIN_S + 5)
             assert got["end"]["type"] == "context.done" and got["end"]["reason"] == "completed"
-            msgs = await raw.recv_until(lambda m: m.get("type") == "context.cancelled", timeout=DRAIN_S + 5)
-            assert any(m.get("type") == "session.draining" for m in msgs + got["json"] + got["others"])
+            msgs = await raw.recv_until(lambda m: m.get("type") in ("context.cancelled", "context.done")
+                                        and m.get("context_id") == "long", timeout=DRAIN_S + 5)
             cut_at = time.monotonic() - t0
+            before = msgs + got["json"] + got["others"]
+            assert msgs[-1]["type"] == "context.cancelled", msgs[-1]  # an open context never completes
+            assert msgs[-1]["generated_ms"] > 0, msgs[-1]
+            assert any(m.get("type") == "session.draining" for m in before)
+            # it was cut with audio still to come: fewer segments spoken than were sent
+            assert sum(m.get("type") == "flushed" and m.get("context_id") == "long" for m in before) < WS_SEGMENTS
             err = await raw.expect("error", timeout=5)
             assert err["code"] == "overloaded" and err["fatal"] is True and err["retryable"] is True
             code, reason = await raw.closed(10)
@@ -85,3 +101,5 @@ def test_drain_with_websocket_and_http_in_flight(tiny_checkpoint):
     assert results["whole_long"]["status"] == 503
     assert json.loads(results["whole_long"]["body"])["error"]["code"] == "overloaded"
     assert "Traceback" not in log and "drain deadline" in log
+    assert "drain deadline: cancelling 1 context(s) still open" in log
+    assert log.count("drain deadline: cutting this stream") == 3, log  # raw, SSE, and the WAV not begun

@@ -64,3 +64,23 @@ def test_profile_stages_times_and_counts_every_stage(tmp_path):
         top = r["top_kernels"]
         assert top and [k["total_us"] for k in top] == sorted((k["total_us"] for k in top), reverse=True)
         assert sum(k["count"] for k in top) <= r["kernels"] and all(k["name"].startswith("aten::") for k in top)
+
+
+def test_synthesize_caps_random_weights_by_words(tmp_path):
+    """Issue 10, item 8: the README's example (a make_checkpoint folder, no --max-frames) ran for a minute and wrote
+    164 s of noise for "Hello there."; random weights are now capped at 5 frames per word, like the server."""
+    from engine.tools.make_checkpoint import is_random_checkpoint
+    from engine.tools.make_checkpoint import main as make_checkpoint
+    from server.model_source import is_random
+
+    ckpt = tmp_path / "tiny"
+    assert make_checkpoint(["--size", "tiny", "--out", str(ckpt)]) == 0
+    assert is_random_checkpoint(ckpt) and is_random(str(ckpt))  # the server caps it too (benchmark length mode)
+    out = tmp_path / "hello.wav"
+    cmd = [sys.executable, "-m", "engine.tools.synthesize", "--model", str(ckpt), "--text", "Hello there.",
+           "--voice", "ryan", "--language", "english", "--greedy", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "random weights" in proc.stderr and "capped at 10 frames" in proc.stderr, proc.stderr
+    with wave.open(str(out)) as w:
+        assert w.getnframes() == 10 * 1920  # 2 words x 5 frames x 80 ms

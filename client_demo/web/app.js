@@ -376,6 +376,9 @@ function onJson(msg) {
           if (state.llm && state.llm.u === u) stopLlm();
           player.clear(u.contextId);
           finishUtterance(u);
+          // A bare "error" told a new user nothing: say what was refused, why, and whether to retry.
+          setStatus(`#${u.n} refused: ${msg.code}: ${msg.message}${msg.retryable ? " (retry shortly)" : ""}`,
+                    "error");
         }
       }
       if (msg.fatal) {
@@ -618,7 +621,7 @@ function renderTable() {
       fmtMs(ms(u.played, player.rate)),
       `${u.packets.length}${u.lateDropped ? ` (+${u.lateDropped} late)` : ""}`,
       `${u.underruns.length}`,
-      u.error && u.status === "error" ? `error` : u.status,
+      u.error && u.status === "error" ? u.error.slice(0, 120) : u.status,
     ];
     cells.forEach((c, i) => {
       const td = document.createElement("td");

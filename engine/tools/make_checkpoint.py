@@ -8,7 +8,9 @@ Its weights are random (the model speaks noise); tests and benchmarks use it whe
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -16,6 +18,17 @@ from engine.model.presets import SIZES
 from engine.model.random_model import write_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Beside the weights: nothing in the published layout says they are random, and random weights never end an
+# utterance, so the tools that load this folder cap each one by its words (as the server does) only if told.
+RANDOM_MARKER = "voicelane_random_weights.json"
+
+
+def mark_random(directory: str | Path, size: str, seed: int) -> None:
+    (Path(directory) / RANDOM_MARKER).write_text(json.dumps({"size": size, "seed": seed}) + "\n")
+
+
+def is_random_checkpoint(directory: str | Path) -> bool:
+    return (Path(directory) / RANDOM_MARKER).is_file()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     shard = int(args.max_shard_mb * 2**20) if args.max_shard_mb else None
     t0 = time.time()
     out = write_checkpoint(args.out, args.size, args.seed, dtype, shard)
+    mark_random(out, args.size, args.seed)
     print(f"wrote random-weight {args.size} checkpoint to {out} in {time.time() - t0:.1f}s (seed {args.seed})")
     return 0
 

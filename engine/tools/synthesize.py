@@ -19,8 +19,12 @@ from engine.model.generate import Frame, GenerationRequest, generate
 from engine.model.prompt import LAYOUTS, PromptError, build_prompt, instruction_ids, resolve_voice
 from engine.model.sampling_params import SamplingError, SamplingParams
 from engine.text.tokenizer import TextTokenizer
+from engine.tools.make_checkpoint import is_random_checkpoint
 
 SAMPLE_RATE = 24000
+# Random weights never end an utterance: without a cap one runs to the model's frame limit (2048 frames, 164 s of
+# noise for "Hello there."). Capped like the server's benchmark length mode for random models.
+RANDOM_FRAMES_PER_WORD = 5
 
 
 def write_wav(path: str, pcm: np.ndarray) -> None:
@@ -41,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instructions", default=None, help="style instruction (1.7B only)")
     ap.add_argument("--greedy", action="store_true", help="temperature 0 for the Talker and the Code Predictor")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-frames", type=int, default=None, help="complete frames at most (80 ms each)")
+    ap.add_argument("--max-frames", type=int, default=None, help="complete frames at most (80 ms each); default: "
+                    f"the model's limit, or {RANDOM_FRAMES_PER_WORD} per word for random weights")
     ap.add_argument("--text-layout", choices=LAYOUTS, default="dual")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -54,11 +59,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{args.model} has no text tokenizer files (tokenizer.json or vocab.json + merges.txt)")
     tokenizer = TextTokenizer.from_dir(loaded.tokenizer_dir)
     cfg = loaded.config
+    max_frames = args.max_frames
+    if max_frames is None and (loaded.random_weights or is_random_checkpoint(args.model)):
+        max_frames = max(1, RANDOM_FRAMES_PER_WORD * len(args.text.split()))
+        print(f"random weights (noise, not speech): capped at {max_frames} frames, {RANDOM_FRAMES_PER_WORD} per "
+              "word (--max-frames to change)", file=sys.stderr)
     try:
         voice = resolve_voice(cfg, args.voice, args.language)
         instr = instruction_ids(cfg, tokenizer.encode("user\n" + args.instructions)) if args.instructions else None
         sampling = SamplingParams.from_generation_config(cfg.generation).with_overrides(
-            seed=args.seed, max_frames=args.max_frames, **({"temperature": 0.0} if args.greedy else {}))
+            seed=args.seed, max_frames=max_frames, **({"temperature": 0.0} if args.greedy else {}))
         text_ids = tokenizer.encode(args.text)
         prompt = build_prompt(cfg, voice, text_ids, args.text_layout, instr)
     except (PromptError, SamplingError) as exc:
