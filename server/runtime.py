@@ -15,10 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from engine.api import ModelInfo
-from engine.engine import Engine
-from engine.model.sampling_params import SamplingParams
-from engine.text.tokenizer import TextTokenizer
+from engine import ModelInfo, SamplingParams, TextTokenizer
 from server.auth import KeyChecker, OriginPolicy
 from server.config import ServerConfig
 from server.metrics import ServerMetrics
@@ -26,6 +23,7 @@ from server.options import Catalog, Defaults
 from server.ratelimit import RateLimiter
 
 if TYPE_CHECKING:
+    from engine import Engine
     from server.gateway import WsSession
 
 log = logging.getLogger("voicelane.server")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from engine.text.tokenizer import TextTokenizer
+from engine import TextTokenizer
 from server.text_normalize import LlmTextNormalizer
 
 
