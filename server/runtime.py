@@ -13,7 +13,7 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine import ModelInfo, SamplingParams, TextTokenizer
 from server.auth import KeyChecker, OriginPolicy
@@ -24,9 +24,17 @@ from server.ratelimit import RateLimiter
 
 if TYPE_CHECKING:
     from engine import Engine
-    from server.gateway import WsSession
 
 log = logging.getLogger("voicelane.server")
+
+
+class DrainableSession(Protocol):
+    """What the runtime asks of an open WebSocket session (server.gateway.WsSession; not imported, since the gateway
+    imports this module)."""
+
+    def on_drain(self, deadline_s: float) -> None: ...
+
+
 PREFERRED_VOICE = "ryan"
 
 
@@ -41,7 +49,7 @@ class Runtime:
         self.origins = OriginPolicy(config.allowed_origins)
         self.rate_limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst)
         self.executor = ThreadPoolExecutor(max_workers=config.encode_threads, thread_name_prefix="voicelane-audio")
-        self.sessions: set[WsSession] = set()
+        self.sessions: set[DrainableSession] = set()
         self.http_streams = 0
         self.draining = False
         self.drain_deadline: float | None = None

@@ -27,7 +27,7 @@ from server.textpipe import TextPipeline
 
 if TYPE_CHECKING:
     from engine import EngineContext
-    from server.gateway import WsSession
+    from server.session_contract import WsSession
 
 MODEL_RATE = 24000
 
