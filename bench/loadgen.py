@@ -364,13 +364,13 @@ class PointRun:
 
     # ---- W3 ------------------------------------------------------------------------------------------------
     async def w3_user(self, uid: int, offset: float, plan: list[dict]) -> None:
-        from bench.wsclient import Session
+        from voicelane_client.recorder import RecordingSession
 
         c = self.cfg
         self.st.users_active += 1
         try:
             try:
-                s = await Session.open(ws_url(c.url), c.api_key)
+                s = await RecordingSession.open(ws_url(c.url), c.api_key)
                 self.sessions_opened += 1
             except Exception as e:
                 t = now() - self.t_start
@@ -384,7 +384,7 @@ class PointRun:
                         break
                     end = await self._w3_reply(s, uid, turn, p)
                     await sleep_until(end + p["pause"])
-                    if s.closed:
+                    if s.closed.is_set():
                         break
             finally:
                 await s.close()
@@ -469,7 +469,7 @@ class PointRun:
         if c.workload == "w1":
             self.http = new_http_client(c.request_timeout)
         elif c.workload == "w2":
-            from bench.wsclient import SessionPool
+            from voicelane_client.recorder import SessionPool
 
             self.pool = SessionPool(ws_url(c.url), c.contexts_per_socket, c.api_key)
         self.t_start = now() + 0.1
@@ -600,9 +600,9 @@ async def probe_server(url: str, api_key: str | None = None) -> dict:
         status, body = await loop.run_in_executor(None, http_get_json, url.rstrip("/") + path, 5.0)
         info[path] = body if status == 200 else {"status": status, "body": str(body)[:300]}
     try:
-        from bench.wsclient import Session
+        from voicelane_client.recorder import RecordingSession
 
-        s = await Session.open(ws_url(url), api_key, timeout=10)
+        s = await RecordingSession.open(ws_url(url), api_key, timeout=10)
         info["session"] = {k: s.hello.get(k) for k in ("protocol", "model", "limits", "defaults",
                                                        "bench_frames_per_word")}
         await s.close()

@@ -1,0 +1,86 @@
+"""The engine's public surface: the names code outside engine/ (the server, tools, tests of the server) may import.
+
+Importing the package loads no torch, so the server starts, parses its flags and serves its errors without it. The
+two names that need torch, `Engine` and `EngineContext`, are imported on first use (PEP 562); a type hint that
+names them goes under `if TYPE_CHECKING:`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from engine.api import (
+    SAMPLE_RATE,
+    SAMPLES_PER_FRAME,
+    AudioChunk,
+    ContextClosed,
+    ContextDone,
+    ContextSpec,
+    EngineError,
+    InvalidRequest,
+    ModelInfo,
+    Overloaded,
+    SegmentDone,
+    VoiceInfo,
+)
+from engine.config import EngineConfig, EngineConfigError, SchedulerConfig
+from engine.model.sampling_params import SamplingError, SamplingParams
+from engine.model_source import (
+    DTYPES,
+    RANDOM_NOTICE,
+    RANDOM_SIZES,
+    TINY_RANDOM,
+    ModelSourceError,
+    is_random,
+    load_model,
+    resolve_dtype,
+    resolve_dtype_name,
+)
+from engine.text.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    from engine.engine import Context as EngineContext
+    from engine.engine import Engine
+
+_NEEDS_TORCH = {"Engine": ("engine.engine", "Engine"), "EngineContext": ("engine.engine", "Context")}
+
+
+def __getattr__(name: str):
+    if name in _NEEDS_TORCH:
+        module, attribute = _NEEDS_TORCH[name]
+        return getattr(importlib.import_module(module), attribute)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+
+
+__all__ = [
+    "DTYPES",
+    "RANDOM_NOTICE",
+    "RANDOM_SIZES",
+    "SAMPLES_PER_FRAME",
+    "SAMPLE_RATE",
+    "TINY_RANDOM",
+    "AudioChunk",
+    "ContextClosed",
+    "ContextDone",
+    "ContextSpec",
+    "Engine",
+    "EngineConfig",
+    "EngineConfigError",
+    "EngineContext",
+    "EngineError",
+    "InvalidRequest",
+    "ModelInfo",
+    "ModelSourceError",
+    "Overloaded",
+    "SamplingError",
+    "SamplingParams",
+    "SchedulerConfig",
+    "SegmentDone",
+    "TextTokenizer",
+    "VoiceInfo",
+    "is_random",
+    "load_model",
+    "resolve_dtype",
+    "resolve_dtype_name",
+]

@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import replace
 
-from engine.config import EngineConfig, SchedulerConfig
+from engine import EngineConfig, SchedulerConfig
 from server.auth import keys_from_env, read_key_file
 from server.config import Limits, Secret, ServerConfig, ServerConfigError
 from server.logs import setup_logging
@@ -133,12 +133,12 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
             raise ServerConfigError(f"--api-key-file {f}: {exc.strerror}") from None
     keys += keys_from_env()
     device = resolve_device(a.device)
-    from server.model_source import resolve_dtype
+    from engine import resolve_dtype_name
 
-    dtype = str(resolve_dtype(a.dtype, device)).replace("torch.", "")
+    dtype = resolve_dtype_name(a.dtype, device)
     bench = a.bench_frames_per_word
     if bench is None:
-        from server.model_source import is_random
+        from engine import is_random
 
         bench = RANDOM_FRAMES_PER_WORD if is_random(a.model) else 0
     sched = replace(SchedulerConfig(), max_slots=a.max_slots, bench_frames_per_word=bench,
@@ -171,7 +171,7 @@ def check_model_spec(spec: str) -> None:
     """Fail fast on a --model that cannot work (the load itself runs later, on a thread)."""
     from pathlib import Path
 
-    from server.model_source import RANDOM_SIZES, TINY_RANDOM
+    from engine import RANDOM_SIZES, TINY_RANDOM
 
     if spec == TINY_RANDOM:
         return
@@ -186,7 +186,7 @@ def check_model_spec(spec: str) -> None:
 
 
 def print_config(cfg: ServerConfig) -> None:
-    from server.model_source import RANDOM_NOTICE, is_random
+    from engine import RANDOM_NOTICE, is_random
 
     d = cfg.describe()
     d["engine"]["scheduler"]["chunk_ramp"] = list(cfg.engine.scheduler.chunk_ramp)
@@ -201,9 +201,7 @@ def make_loader(cfg: ServerConfig):
     def load():
         import torch
 
-        from engine.engine import Engine
-        from engine.text.tokenizer import TextTokenizer
-        from server.model_source import RANDOM_NOTICE, is_random, load_model, resolve_dtype
+        from engine import RANDOM_NOTICE, Engine, TextTokenizer, is_random, load_model, resolve_dtype
 
         if cfg.device == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)

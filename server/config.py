@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from engine.config import EngineConfig
+from engine import EngineConfig
 
 
 class ServerConfigError(ValueError):

@@ -1,185 +1,148 @@
-"""Prometheus metrics (text exposition format 0.0.4), without a client library.
+"""Prometheus metrics, exposed through the standard client library (`prometheus_client`).
 
-Server-side series are kept here; engine series (queue depth, batch sizes, step times per stage, slots) are read
-from `engine.stats()` at scrape time.
+Server-side series are kept here, in a registry of each server's own (tests run several servers in one process);
+engine series (queue depth, batch sizes, step times per stage, slots) are read from `engine.stats()` at scrape time
+and handed to the library as metric families.
 """
 
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
+import prometheus_client
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+# The hand-written exposition this replaced never had `*_created` series; dashboards and alerts know the names it
+# had, so the library is told not to add them (its documented switch; it reads this when it collects).
+prometheus_client.disable_created_metrics()
+
+# generate_latest writes the 0.0.4 text format whatever the library's newest negotiated format is.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFA_BUCKETS_S = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                   2.0, 5.0)
 ENGINE_STEP_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, math.inf)  # StageStats.BUCKETS_S
 
 
-def _esc(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class _Series:
+    """One library metric, called the way the server's doors call it: label values positionally
+    (`errors.inc("ws", code)`), so the call sites do not change with the library."""
+
+    library_type: type = prometheus_client.Counter
+
+    def __init__(self, registry: prometheus_client.CollectorRegistry, name: str, help_: str,
+                 labels: tuple[str, ...] = (), **kwargs):
+        self.name, self.labelnames, self._registry = name, labels, registry
+        self._metric = self.library_type(name, help_, labels, registry=registry, **kwargs)
+
+    def _child(self, labels: tuple):
+        return self._metric.labels(*labels) if self.labelnames else self._metric
 
 
-def _labels(names: tuple[str, ...], values: tuple, extra: str = "") -> str:
-    parts = [f'{n}="{_esc(v)}"' for n, v in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-def _num(v: float) -> str:
-    if v == math.inf:
-        return "+Inf"
-    if isinstance(v, int) or float(v).is_integer():
-        return str(int(v))
-    return repr(float(v))
-
-
-class _Metric:
-    kind = "untyped"
-
-    def __init__(self, name: str, help_: str, labels: tuple[str, ...] = ()):
-        self.name, self.help, self.labelnames = name, help_, labels
-        self._lock = threading.Lock()
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-
-class Counter(_Metric):
-    kind = "counter"
-
-    def __init__(self, name, help_, labels=()):
-        super().__init__(name, help_, labels)
-        self.values: dict[tuple, float] = {}
-
+class Counter(_Series):
     def inc(self, *labels, amount: float = 1.0) -> None:
-        with self._lock:
-            self.values[labels] = self.values.get(labels, 0.0) + amount
+        self._child(labels).inc(amount)
 
     def get(self, *labels) -> float:
-        return self.values.get(labels, 0.0)
-
-    def render(self) -> list[str]:
-        out = self.header()
-        for lv, v in sorted(self.values.items()):
-            out.append(f"{self.name}{_labels(self.labelnames, lv)} {_num(v)}")
-        return out
+        """The current value (for tests and logs; it walks the registry)."""
+        value = self._registry.get_sample_value(self.name, dict(zip(self.labelnames, labels, strict=True)))
+        return value or 0.0
 
 
 class Gauge(Counter):
-    kind = "gauge"
+    library_type = prometheus_client.Gauge
 
     def set(self, *labels, value: float) -> None:
-        with self._lock:
-            self.values[labels] = value
+        self._child(labels).set(value)
 
     def dec(self, *labels, amount: float = 1.0) -> None:
-        self.inc(*labels, amount=-amount)
+        self._child(labels).dec(amount)
 
 
-class Histogram(_Metric):
-    kind = "histogram"
+class Histogram(_Series):
+    library_type = prometheus_client.Histogram
 
-    def __init__(self, name, help_, labels=(), buckets: Iterable[float] = TTFA_BUCKETS_S):
-        super().__init__(name, help_, labels)
-        self.buckets = tuple(b for b in buckets if b != math.inf) + (math.inf,)
-        self.series: dict[tuple, list] = {}  # labels -> [counts per bucket, sum, count]
+    def __init__(self, registry, name, help_, labels=(), buckets: Iterable[float] = TTFA_BUCKETS_S):
+        super().__init__(registry, name, help_, labels, buckets=tuple(buckets))
 
     def observe(self, *labels, value: float) -> None:
-        with self._lock:
-            s = self.series.setdefault(labels, [[0] * len(self.buckets), 0.0, 0])
-            for i, b in enumerate(self.buckets):
-                if value <= b:
-                    s[0][i] += 1
-                    break
-            s[1] += value
-            s[2] += 1
-
-    def render(self) -> list[str]:
-        out = self.header()
-        for lv, (counts, total, n) in sorted(self.series.items()):
-            out += render_histogram(self.name, self.labelnames, lv, self.buckets, counts, total, n)
-        return out
+        self._child(labels).observe(value)
 
 
-def render_histogram(name, labelnames, labelvalues, buckets, counts, total, n) -> list[str]:
-    out, cum = [], 0
-    for b, c in zip(buckets, counts, strict=True):
-        cum += c
-        le = 'le="' + _num(b) + '"'
-        out.append(f"{name}_bucket{_labels(labelnames, labelvalues, le)} {cum}")
-    out.append(f"{name}_sum{_labels(labelnames, labelvalues)} {_num(total)}")
-    out.append(f"{name}_count{_labels(labelnames, labelvalues)} {n}")
-    return out
+class _Scrape:
+    """What one scrape exposes: the server's own registry, then the families known only at scrape time."""
+
+    def __init__(self, registries: list[prometheus_client.CollectorRegistry], scrape_time: list[Metric]):
+        self.registries, self.scrape_time = registries, scrape_time
+
+    def collect(self) -> Iterator[Metric]:
+        for registry in self.registries:
+            yield from registry.collect()
+        yield from self.scrape_time
 
 
 class ServerMetrics:
     def __init__(self) -> None:
-        self.ttfa = Histogram("voicelane_ttfa_seconds", "Server-side time to first audio: a context's first text "
+        self.registry = r = prometheus_client.CollectorRegistry(auto_describe=False)
+        self.ttfa = Histogram(r, "voicelane_ttfa_seconds", "Server-side time to first audio: a context's first text "
                               "(HTTP: the request) to its first audio handed to the socket", ("transport",))
-        self.active_contexts = Gauge("voicelane_active_contexts", "Contexts open now", ("transport",))
-        self.sessions = Gauge("voicelane_ws_sessions", "WebSocket sessions open now")
-        self.contexts = Counter("voicelane_contexts_total", "Contexts ended, by how", ("transport", "reason"))
-        self.rejections = Counter("voicelane_rejections_total", "Requests, sessions or contexts refused, by code",
+        self.active_contexts = Gauge(r, "voicelane_active_contexts", "Contexts open now", ("transport",))
+        self.sessions = Gauge(r, "voicelane_ws_sessions", "WebSocket sessions open now")
+        self.contexts = Counter(r, "voicelane_contexts_total", "Contexts ended, by how", ("transport", "reason"))
+        self.rejections = Counter(r, "voicelane_rejections_total", "Requests, sessions or contexts refused, by code",
                                   ("transport", "code"))
-        self.errors = Counter("voicelane_errors_total", "Error messages sent, by code", ("transport", "code"))
-        self.underruns = Counter("voicelane_client_underruns_total", "Playback underruns reported by clients "
+        self.errors = Counter(r, "voicelane_errors_total", "Error messages sent, by code", ("transport", "code"))
+        self.underruns = Counter(r, "voicelane_client_underruns_total", "Playback underruns reported by clients "
                                  "(playback state 'underrun', counted once per stall)")
-        self.playback_reports = Counter("voicelane_client_playback_reports_total", "Playback reports from clients",
+        self.playback_reports = Counter(r, "voicelane_client_playback_reports_total", "Playback reports from clients",
                                         ("state",))
-        self.audio_seconds = Counter("voicelane_audio_seconds_total", "Audio sent (listener timeline)",
+        self.audio_seconds = Counter(r, "voicelane_audio_seconds_total", "Audio sent (listener timeline)",
                                      ("transport",))
-        self.slow_readers = Counter("voicelane_slow_reader_disconnects_total", "Sessions closed with 4009")
-        self.sessions_total = Counter("voicelane_ws_sessions_total", "WebSocket sessions, by how they closed",
-                                      ("close_code",))
-        self._own = [self.ttfa, self.active_contexts, self.sessions, self.contexts, self.rejections, self.errors,
-                     self.underruns, self.playback_reports, self.audio_seconds, self.slow_readers,
-                     self.sessions_total]
+        self.slow_readers = Counter(r, "voicelane_slow_reader_disconnects_total", "Sessions closed with 4009")
+        # The library names a counter's family without `_total`, so `voicelane_ws_sessions_total` would collide
+        # with the gauge `voicelane_ws_sessions` in one registry; both names predate the library and stay.
+        self._sessions_total_registry = prometheus_client.CollectorRegistry(auto_describe=False)
+        self.sessions_total = Counter(self._sessions_total_registry, "voicelane_ws_sessions_total",
+                                      "WebSocket sessions, by how they closed", ("close_code",))
 
     def render(self, engine_stats: dict | None, info: dict, readiness: dict | None) -> str:
-        lines: list[str] = []
-        for m in self._own:
-            lines += m.render()
-        lines += ["# HELP voicelane_info The served model", "# TYPE voicelane_info gauge",
-                  f"voicelane_info{_labels(tuple(info), tuple(info.values()))} 1"]
-        lines += ["# HELP voicelane_ready 1 when the server accepts work (/ready)", "# TYPE voicelane_ready gauge",
-                  f"voicelane_ready {1 if readiness and readiness.get('ready') else 0}"]
-        if engine_stats is not None:
-            lines += render_engine(engine_stats)
-        return "\n".join(lines) + "\n"
+        info_family = GaugeMetricFamily("voicelane_info", "The served model", labels=list(info))
+        info_family.add_metric([str(v) for v in info.values()], 1)
+        ready = GaugeMetricFamily("voicelane_ready", "1 when the server accepts work (/ready)",
+                                  value=1 if readiness and readiness.get("ready") else 0)
+        scrape_time = [info_family, ready] + (engine_families(engine_stats) if engine_stats is not None else [])
+        return prometheus_client.generate_latest(_Scrape([self.registry, self._sessions_total_registry],
+                                                               scrape_time)).decode()
 
 
-def render_engine(s: dict) -> list[str]:
-    out: list[str] = []
-
-    def gauge(name, help_, value):
-        out.extend([f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name} {_num(value)}"])
-
-    gauge("voicelane_engine_open_contexts", "Contexts open in the engine", s.get("open_contexts", 0))
-    gauge("voicelane_engine_free_slots", "Free request slots (KV cache rows)", s.get("free_slots", 0))
-    gauge("voicelane_engine_waiting_first_audio", "Requests with text still waiting for their first audio",
-          s.get("waiting_first_audio", 0))
-    gauge("voicelane_engine_text_starved", "Requests waiting for more text", s.get("text_starved", 0))
-    gauge("voicelane_engine_kv_cache_bytes", "KV cache memory", s.get("kv_cache_bytes", 0))
-    depth = s.get("queue_depth", {})
-    out += ["# HELP voicelane_engine_queue_depth Requests waiting at each stage now",
-            "# TYPE voicelane_engine_queue_depth gauge"]
-    out += [f'voicelane_engine_queue_depth{{stage="{k}"}} {v}' for k, v in sorted(depth.items())]
-    stages = s.get("stages", {})
-    out += ["# HELP voicelane_engine_batch_size Rows in the last step of each stage",
-            "# TYPE voicelane_engine_batch_size gauge"]
-    out += [f'voicelane_engine_batch_size{{stage="{k}"}} {v["last_batch"]}' for k, v in sorted(stages.items())]
-    out += ["# HELP voicelane_engine_rows_total Rows processed by each stage (rows/steps = mean batch size)",
-            "# TYPE voicelane_engine_rows_total counter"]
-    out += [f'voicelane_engine_rows_total{{stage="{k}"}} {v["rows"]}' for k, v in sorted(stages.items())]
-    out += ["# HELP voicelane_engine_step_seconds Step time of each stage", "# TYPE voicelane_engine_step_seconds "
-            "histogram"]
-    for k, v in sorted(stages.items()):
+def engine_families(s: dict) -> list[Metric]:
+    """The engine's series from one `Engine.stats()` snapshot."""
+    out: list[Metric] = [
+        GaugeMetricFamily("voicelane_engine_open_contexts", "Contexts open in the engine", s.get("open_contexts", 0)),
+        GaugeMetricFamily("voicelane_engine_free_slots", "Free request slots (KV cache rows)", s.get("free_slots", 0)),
+        GaugeMetricFamily("voicelane_engine_waiting_first_audio",
+                          "Requests with text still waiting for their first audio", s.get("waiting_first_audio", 0)),
+        GaugeMetricFamily("voicelane_engine_text_starved", "Requests waiting for more text", s.get("text_starved", 0)),
+        GaugeMetricFamily("voicelane_engine_kv_cache_bytes", "KV cache memory", s.get("kv_cache_bytes", 0)),
+    ]
+    depth = GaugeMetricFamily("voicelane_engine_queue_depth", "Requests waiting at each stage now", labels=["stage"])
+    for stage, waiting in sorted(s.get("queue_depth", {}).items()):
+        depth.add_metric([stage], waiting)
+    stages = sorted(s.get("stages", {}).items())
+    batch = GaugeMetricFamily("voicelane_engine_batch_size", "Rows in the last step of each stage", labels=["stage"])
+    rows = CounterMetricFamily("voicelane_engine_rows_total",
+                               "Rows processed by each stage (rows/steps = mean batch size)", labels=["stage"])
+    steps = HistogramMetricFamily("voicelane_engine_step_seconds", "Step time of each stage", labels=["stage"])
+    for stage, v in stages:
+        batch.add_metric([stage], v["last_batch"])
+        rows.add_metric([stage], v["rows"])
         counts = list(v["histogram"])
-        buckets = ENGINE_STEP_BUCKETS_S if len(counts) == len(ENGINE_STEP_BUCKETS_S) else None
-        if buckets is None:
+        if len(counts) != len(ENGINE_STEP_BUCKETS_S):  # an engine with other buckets: none rather than a wrong one
             continue
-        out += render_histogram("voicelane_engine_step_seconds", ("stage",), (k,), buckets, counts, v["seconds"],
-                                v["steps"])
-    return out
+        cumulative, total = [], 0
+        for bound, count in zip(ENGINE_STEP_BUCKETS_S, counts, strict=True):
+            total += count
+            cumulative.append((floatToGoString(bound), total))
+        steps.add_metric([stage], cumulative, sum_value=v["seconds"])
+    return out + [depth, batch, rows, steps]

@@ -18,13 +18,12 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from engine.api import SAMPLE_RATE, AudioChunk, ContextDone, ContextSpec, EngineError, Overloaded, SegmentDone
-from engine.engine import Context as EngineContext
+from engine import SAMPLE_RATE, AudioChunk, ContextDone, ContextSpec, EngineError, Overloaded, SegmentDone
 from server.audio.stream import HttpAudioStream
 from server.audio.wav import wav_header
 from server.auth import bearer_token
@@ -42,6 +41,9 @@ from server.protocol import (
 )
 from server.runtime import Runtime
 from server.textpipe import bench_frames, encode_segments, estimated_frames
+
+if TYPE_CHECKING:
+    from engine import EngineContext
 
 log = logging.getLogger("voicelane.http")
 RESPONSE_FORMATS = ("mp3", "pcm", "wav", "opus")

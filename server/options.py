@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engine.model.sampling_params import SamplingError, SamplingParams
+from engine import SamplingError, SamplingParams
 from server.protocol import ProtocolError, get_int, get_number, get_object, get_str, type_name
 
 # ------------------------------------------------------------------------------------------------ output formats

@@ -13,12 +13,9 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from engine.api import ModelInfo
-from engine.engine import Engine
-from engine.model.sampling_params import SamplingParams
-from engine.text.tokenizer import TextTokenizer
+from engine import ModelInfo, SamplingParams, TextTokenizer
 from server.auth import KeyChecker, OriginPolicy
 from server.config import ServerConfig
 from server.metrics import ServerMetrics
@@ -26,9 +23,18 @@ from server.options import Catalog, Defaults
 from server.ratelimit import RateLimiter
 
 if TYPE_CHECKING:
-    from server.gateway import WsSession
+    from engine import Engine
 
 log = logging.getLogger("voicelane.server")
+
+
+class DrainableSession(Protocol):
+    """What the runtime asks of an open WebSocket session (server.gateway.WsSession; not imported, since the gateway
+    imports this module)."""
+
+    def on_drain(self, deadline_s: float) -> None: ...
+
+
 PREFERRED_VOICE = "ryan"
 
 
@@ -43,7 +49,7 @@ class Runtime:
         self.origins = OriginPolicy(config.allowed_origins, check_host=not self.keys.enabled)
         self.rate_limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst)
         self.executor = ThreadPoolExecutor(max_workers=config.encode_threads, thread_name_prefix="voicelane-audio")
-        self.sessions: set[WsSession] = set()
+        self.sessions: set[DrainableSession] = set()
         self.http_streams = 0
         self.draining = False
         self.drain_deadline: float | None = None

@@ -20,7 +20,7 @@ import re
 import unicodedata
 from collections.abc import Callable
 
-from engine.text.tokenizer import TextTokenizer
+from engine import TextTokenizer
 from server.text_normalize import LlmTextNormalizer
 
 

@@ -16,8 +16,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from engine.api import AudioChunk, ContextDone, SegmentDone
-from engine.engine import Context as EngineContext
+from engine import AudioChunk, ContextDone, SegmentDone
 from server.audio.frames import pack_frame
 from server.audio.stream import StreamPacket, WsAudioStream
 from server.logs import context_logger, current_trace
@@ -27,7 +26,8 @@ from server.protocol import ws_error
 from server.textpipe import TextPipeline
 
 if TYPE_CHECKING:
-    from server.gateway import WsSession
+    from engine import EngineContext
+    from server.session_contract import WsSession
 
 MODEL_RATE = 24000
 

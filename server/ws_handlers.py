@@ -10,7 +10,7 @@ import logging
 import uuid
 from typing import Any
 
-from engine.api import ContextSpec, EngineError, Overloaded
+from engine import ContextSpec, EngineError, Overloaded
 from server.audio.stream import WsAudioStream
 from server.options import ContextOptions, resolve_context_options
 from server.protocol import (

@@ -29,7 +29,7 @@ from typing import Any
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from client_demo.client import parse_frame
+from voicelane_wire import unpack_frame
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE_ARGS = ["--device", "cpu", "--cpu-threads", "1", "--max-frames", "64", "--admission-load", "1000",
@@ -181,9 +181,9 @@ class Raw:
     async def recv(self, timeout: float = TIMEOUT) -> Any:
         data = await asyncio.wait_for(self.ws.recv(), timeout)
         if isinstance(data, bytes):
-            flags, stream_id, seq, start, payload = parse_frame(data)
-            return {"type": "binary", "flags": flags, "stream_id": stream_id, "seq": seq, "start_sample": start,
-                    "payload": payload, "t": time.monotonic()}
+            header, payload = unpack_frame(data)
+            return {"type": "binary", "flags": header.flags, "stream_id": header.stream_id, "seq": header.seq,
+                    "start_sample": header.start_sample, "payload": payload, "t": time.monotonic()}
         return json.loads(data)
 
     async def recv_until(self, pred, timeout: float = TIMEOUT) -> list:

@@ -17,7 +17,7 @@ import pytest
 
 from bench.loadgen import PointConfig, llm_pieces, run_point
 from bench.prompts import SENTENCES
-from bench.wsclient import FLAG_FIRST, FLAG_LAST, FLAG_SEGMENT, build_frame
+from voicelane_wire import pack_frame
 
 PACKET = 960
 REFUSE_WORDS, LATE_WORDS = 13, 16
@@ -114,8 +114,8 @@ class WsFake:
             for k, chunk in enumerate(_audio(3)):
                 if k == 2 and late:
                     await asyncio.sleep(0.3)
-                flags = (FLAG_FIRST | FLAG_SEGMENT if k == 0 else 0) | (FLAG_LAST if k == 2 else 0)
-                await ws.send(build_frame(flags, c["sid"], k, k * PACKET, chunk))
+                await ws.send(pack_frame(c["sid"], k, k * PACKET, chunk, first=k == 0, segment_start=k == 0,
+                                         last=k == 2))
         else:  # streaming: packets_per_word per word received so far, then an empty last packet after the close
             k, chunks = 0, []
             while True:
@@ -131,12 +131,11 @@ class WsFake:
                     return
                 if k:
                     await asyncio.sleep(self.pace)
-                await ws.send(build_frame(FLAG_FIRST | FLAG_SEGMENT if k == 0 else 0, c["sid"], k, k * PACKET,
-                                          chunks[k]))
+                await ws.send(pack_frame(c["sid"], k, k * PACKET, chunks[k], first=k == 0, segment_start=k == 0))
                 k += 1
             if cid in self.cancelled:
                 return
-            await ws.send(build_frame(FLAG_LAST, c["sid"], k, k * PACKET, b""))
+            await ws.send(pack_frame(c["sid"], k, k * PACKET, b"", last=True))
         await c["closed"].wait()
         if cid not in self.cancelled:
             await ws.send(json.dumps({"type": "context.done", "context_id": cid, "reason": "completed",

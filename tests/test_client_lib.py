@@ -1,4 +1,4 @@
-"""The async Python client (client_demo/client.py) against a live server."""
+"""The async Python client (voicelane_client/client.py) against a live server."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from live_server import live_server, run
 
-from client_demo import (
+from voicelane_client import (
     AudioPacket,
     ContextCancelled,
     ContextDone,

@@ -62,7 +62,7 @@ def test_the_image_installs_what_the_server_needs_and_runs_unprivileged():
     runs = " ".join(a for i, a in instructions if i == "RUN")
     assert "libopus0" in runs and '".[server]"' in runs and "dashscope==2.0.2" in runs
     copied = {src for i, a in instructions if i == "COPY" for src in a.split()[:-1]}
-    assert {"engine", "server", "client_demo", "pyproject.toml", "README.md"} <= copied
+    assert {"engine", "server", "voicelane_wire", "client_demo", "pyproject.toml", "README.md"} <= copied
     user = next(a for i, a in instructions if i == "USER")
     assert user not in ("0", "root")
     assert manifests()["Deployment"]["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == int(user)

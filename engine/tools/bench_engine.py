@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,19 +19,8 @@ import torch
 from engine.api import AudioChunk, ContextDone, ContextSpec
 from engine.config import EngineConfig, SchedulerConfig
 from engine.engine import Engine
-from engine.model.checkpoint import load_checkpoint
-from engine.model.random_model import build_random_model, write_checkpoint
 from engine.model.sampling_params import SamplingParams
-
-
-def load(model: str, device: str, dtype: torch.dtype):
-    if model.startswith("random:"):
-        return build_random_model(model.split(":", 1)[1], device, dtype)
-    if model == "tiny-random":
-        path = Path(tempfile.mkdtemp()) / "tiny"
-        write_checkpoint(path, "tiny", tokenizer=False)
-        return load_checkpoint(path, device, dtype)
-    return load_checkpoint(model, device, dtype)
+from engine.model_source import load_model, resolve_dtype
 
 
 async def stream(engine: Engine, frames: int, seed: int) -> dict:
@@ -64,7 +52,8 @@ async def run(engine: Engine, streams: int, frames: int) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-random")
+    ap.add_argument("--model", default="tiny-random", help="as the server's --model: tiny-random, random:1.7b, "
+                    "random:0.6b, random:tiny or a checkpoint directory")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4])
@@ -72,8 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device == "cuda" else torch.float32)
-    loaded = load(args.model, args.device, dtype)
+    loaded = load_model(args.model, args.device, resolve_dtype(args.dtype, args.device))
     cfg = EngineConfig(scheduler=SchedulerConfig(max_slots=max(args.streams), admission_load=1e9,
                                                  max_waiting_first_audio=max(args.streams)),
                        max_frames=args.frames, max_prompt_tokens=64, cuda_graphs=args.cuda_graphs)

@@ -248,7 +248,7 @@ def logits_fused_vs_torch(loaded) -> dict:
 
 
 def whole_model(bf16, model: str, frames: int, batches: list[int]) -> list[dict]:
-    from engine.tools.bench_engine import load
+    from engine.model_source import load_model as load
 
     rows = []
     graphs = "on" if DEVICE == "cuda" else "emulate"
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
 def check(a: argparse.Namespace, sizes: Sizes) -> int:
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from engine.tools.bench_engine import load
+    from engine.model_source import load_model as load
 
     status = kernels.kernels_status()
     record = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else None, "torch": torch.__version__,

@@ -25,9 +25,9 @@ from engine.config import EngineConfig, SchedulerConfig
 from engine.graphs import GraphCaptureError
 from engine.model.prompt import build_prompt, resolve_voice
 from engine.model.sampling_params import SamplingParams
+from engine.model_source import load_model as load
 from engine.request import RowPlan, Stage, StagePlan
 from engine.runner import Runner
-from engine.tools.bench_engine import load
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """The async Python client of the voicelane WebSocket protocol (docs/protocol.md 1).
 
     import asyncio
-    from client_demo import VoicelaneClient
+    from voicelane_client import AudioPacket, ContextDone, VoicelaneClient
 
     async def main():
         async with await VoicelaneClient.connect("ws://127.0.0.1:8000/v1/tts/ws", api_key=None) as client:
@@ -19,7 +19,8 @@ One reader task per connection routes every server message to its context (binar
 `context_id`); each `Context` has its own ordered event stream ending with `ContextDone` or `ContextCancelled`.
 Session-level messages (errors without a context, `session.draining`, warnings) go to `client.session_events()`.
 Errors about a context never raise inside `events()`: they arrive as `ErrorEvent`s (a failed `create_context`
-raises `VoicelaneError`). The tests, the load generator and framework adapters build on this module.
+raises `VoicelaneError`). The tests, framework adapters and the load generator (through voicelane_client.recorder,
+which records instead of queueing) build on this module.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import asyncio
 import base64
 import itertools
 import json
-import struct
 import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
@@ -39,8 +39,8 @@ import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-HEADER = struct.Struct(">BBHIII")  # version, kind, flags, stream_id, seq, start_sample
-FLAG_FIRST, FLAG_LAST, FLAG_SEGMENT_START = 1, 2, 4
+from voicelane_wire import unpack_frame
+
 SUBPROTOCOL = "voicelane.v1"
 
 
@@ -127,16 +127,6 @@ class SessionClosed:
 
 
 Event = AudioPacket | Flushed | ContextDone | ContextCancelled | ErrorEvent | WarningEvent | SessionClosed
-
-
-def parse_frame(data: bytes) -> tuple[int, int, int, int, bytes]:
-    """(flags, stream_id, seq, start_sample, payload) of a binary audio frame (docs/protocol.md 1.3)."""
-    if len(data) < HEADER.size:
-        raise ValueError(f"binary frame of {len(data)} bytes is shorter than its 16-byte header")
-    version, kind, flags, stream_id, seq, start = HEADER.unpack_from(data)
-    if version != 1 or kind != 1:
-        raise ValueError(f"unknown frame version {version} / kind {kind}")
-    return flags, stream_id, seq, start, bytes(data[HEADER.size:])
 
 
 # ------------------------------------------------------------------------------------------------------ context
@@ -288,9 +278,11 @@ class Context:
 
 
 class VoicelaneClient:
-    def __init__(self, ws: ClientConnection, session: dict):
+    def __init__(self, ws: ClientConnection, session: dict, clock=time.monotonic):
         self.ws = ws
         self.session = session
+        self.clock = clock  # what each message's arrival is stamped with (AudioPacket.received_at)
+        self.reader_failure: Exception | None = None
         self.contexts: dict[str, Context] = {}
         self._by_stream: dict[int, Context] = {}
         self._session_queue: asyncio.Queue[Event | dict] = asyncio.Queue()
@@ -305,7 +297,7 @@ class VoicelaneClient:
     @classmethod
     async def connect(cls, url: str = "ws://127.0.0.1:8000/v1/tts/ws", *, api_key: str | None = None,
                       auth: str = "header", origin: str | None = None, open_timeout: float = 10.0,
-                      **ws_kwargs: Any) -> VoicelaneClient:
+                      clock=time.monotonic, **ws_kwargs: Any) -> VoicelaneClient:
         """Open a session. `auth`: how the key travels: "header" (Authorization: Bearer), "query" (?token=) or
         "subprotocol" (bearer.<key>, as browsers do). Raises VoicelaneError when the server refuses the session
         (its error, e.g. unauthorized, too_many_sessions) and ConnectionClosed-family errors for network trouble."""
@@ -340,7 +332,7 @@ class VoicelaneClient:
         if first.get("type") != "session.created":
             await ws.close()
             raise VoicelaneError({"code": "protocol", "message": f"expected session.created, got {first}"})
-        return cls(ws, first)
+        return cls(ws, first, clock=clock)
 
     async def __aenter__(self) -> VoicelaneClient:
         return self
@@ -444,35 +436,41 @@ class VoicelaneClient:
     async def _read(self) -> None:
         try:
             async for message in self.ws:
-                now = time.monotonic()
+                now = self.clock()
                 if isinstance(message, bytes):
                     self._on_binary(message, now)
                 else:
                     self._on_json(json.loads(message), now)
         except ConnectionClosed:
             pass
+        except Exception as exc:  # a message this client cannot read: kept for _on_closed, still raised
+            self.reader_failure = exc
+            raise
         finally:
             rcvd = getattr(self.ws.protocol, "close_rcvd", None)
             self.close_code = rcvd.code if rcvd is not None else self.ws.close_code
             self.close_reason = rcvd.reason if rcvd is not None else (self.ws.close_reason or "")
-            closed = SessionClosed(self.close_code, self.close_reason)
-            for ctx in self.contexts.values():
-                if not ctx.ended:
-                    ctx._push(closed)
-            self._session_queue.put_nowait(closed)
-            for fut in self._waiters.values():
-                if not fut.done():
-                    fut.set_result({"type": "error", "code": "closed", "message": "the session closed",
-                                    "fatal": True})
+            self._on_closed()
             self.closed.set()
 
+    def _on_closed(self) -> None:
+        """The reader has stopped: every stream still open ends with SessionClosed, every request waiting fails."""
+        closed = SessionClosed(self.close_code, self.close_reason)
+        for ctx in self.contexts.values():
+            if not ctx.ended:
+                ctx._push(closed)
+        self._session_queue.put_nowait(closed)
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_result({"type": "error", "code": "closed", "message": "the session closed", "fatal": True})
+
     def _on_binary(self, data: bytes, now: float) -> None:
-        flags, stream_id, seq, start, payload = parse_frame(data)
-        ctx = self._by_stream.get(stream_id)
+        header, payload = unpack_frame(data)
+        ctx = self._by_stream.get(header.stream_id)
         if ctx is None:
             return
-        ctx._push(AudioPacket(ctx.id, seq, start, payload, bool(flags & FLAG_FIRST), bool(flags & FLAG_LAST),
-                              bool(flags & FLAG_SEGMENT_START), stream_id, now))
+        ctx._push(AudioPacket(ctx.id, header.seq, header.start_sample, payload, header.first, header.last,
+                              header.segment_start, header.stream_id, now))
 
     def _on_json(self, msg: dict, now: float) -> None:
         t = msg.get("type")

@@ -3,27 +3,29 @@ embedded default), or `random:1.7b` / `random:0.6b` / `random:tiny` (random weig
 
 Cache folder: $VOICELANE_CACHE, else ~/.cache/voicelane. Folders are written under a temporary name and renamed
 into place, so concurrent first starts never see half a checkpoint.
+
+Importing this module loads no torch (the server parses its flags with it): torch comes with the first model.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from engine.model.checkpoint import LoadedModel, load_checkpoint
+    from engine.model.checkpoint import LoadedModel
 
-log = logging.getLogger("voicelane.server")
 TINY_RANDOM = "tiny-random"
 TINY_RANDOM_DIR = "tiny-random-v1"
 TOKENIZER_DIR = "qwen2-tokenizer-v1"
 RANDOM_SIZES = {"1.7b": "1.7b", "0.6b": "0.6b", "tiny": "tiny"}
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}  # --dtype -> the torch dtype's name
 
 RANDOM_NOTICE = """
 ################################################################################
@@ -89,15 +91,24 @@ def tokenizer_dir() -> Path:
     return _make_once(cache_dir() / TOKENIZER_DIR, lambda d: write_tokenizer_files(d))
 
 
-def resolve_dtype(name: str, device: str) -> torch.dtype:
+def resolve_dtype_name(name: str | None, device: str) -> str:
+    """--dtype as the name of a torch dtype ("auto": bfloat16 on CUDA, float32 elsewhere)."""
     if name in ("auto", "", None):
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        return "bfloat16" if device.startswith("cuda") else "float32"
     if name not in DTYPES:
         raise ModelSourceError(f"--dtype {name!r}; one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
+def resolve_dtype(name: str | None, device: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, resolve_dtype_name(name, device))
+
+
 def load_model(spec: str, device: str, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
+    from engine.model.checkpoint import load_checkpoint
+
     if spec == TINY_RANDOM:
         loaded = load_checkpoint(tiny_random_dir(seed), device, dtype)
         loaded.random_weights = True

@@ -1,0 +1,78 @@
+"""/metrics exposition (server/metrics.py) without a server: the series names, labels and values a scrape reads,
+parsed back with the client library's own parser."""
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.metrics import ENGINE_STEP_BUCKETS_S, ServerMetrics
+
+
+def samples(text: str) -> dict[tuple, float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+ENGINE_STATS = {
+    "open_contexts": 2, "free_slots": 30, "waiting_first_audio": 1, "text_starved": 0, "kv_cache_bytes": 4096,
+    "queue_depth": {"talker": 3, "codec": 0},
+    "stages": {"talker": {"steps": 4, "rows": 10, "seconds": 0.5, "last_batch": 2,
+                          "histogram": [1, 0, 2, 0, 0, 0, 0, 0, 0, 1, 0]}},
+}
+
+
+def test_server_series_keep_their_names_labels_and_values():
+    m = ServerMetrics()
+    m.errors.inc("ws", "overloaded")
+    m.errors.inc("ws", "overloaded")
+    m.audio_seconds.inc("http", amount=1.5)
+    m.active_contexts.inc("ws")
+    m.active_contexts.inc("ws")
+    m.active_contexts.dec("ws")
+    m.sessions.set(value=4)
+    m.ttfa.observe("http", value=0.012)
+    m.slow_readers.inc()
+    m.sessions_total.inc("1000")
+    text = m.render(None, {"model": "tiny", "random_weights": "true"}, {"ready": True})
+    assert "# TYPE voicelane_ws_sessions gauge" in text and "# TYPE voicelane_ws_sessions_total counter" in text
+    s = samples(m.render(None, {"model": "tiny", "random_weights": "true"}, {"ready": True}))
+    assert s[("voicelane_errors_total", (("code", "overloaded"), ("transport", "ws")))] == 2
+    assert s[("voicelane_audio_seconds_total", (("transport", "http"),))] == 1.5
+    assert s[("voicelane_active_contexts", (("transport", "ws"),))] == 1
+    assert s[("voicelane_ws_sessions", ())] == 4
+    assert s[("voicelane_slow_reader_disconnects_total", ())] == 1
+    assert s[("voicelane_ws_sessions_total", (("close_code", "1000"),))] == 1
+    assert s[("voicelane_ttfa_seconds_bucket", (("le", "0.01"), ("transport", "http")))] == 0
+    assert s[("voicelane_ttfa_seconds_bucket", (("le", "0.015"), ("transport", "http")))] == 1
+    assert s[("voicelane_ttfa_seconds_bucket", (("le", "+Inf"), ("transport", "http")))] == 1
+    assert s[("voicelane_ttfa_seconds_count", (("transport", "http"),))] == 1
+    assert s[("voicelane_info", (("model", "tiny"), ("random_weights", "true")))] == 1
+    assert s[("voicelane_ready", ())] == 1
+    assert not [name for name, _ in s if name.endswith("_created")]  # the hand-written format never had them
+    assert m.errors.get("ws", "overloaded") == 2 and m.slow_readers.get() == 1 and m.underruns.get() == 0
+
+
+def test_not_ready_and_no_engine():
+    s = samples(ServerMetrics().render(None, {"model": "", "random_weights": "false"}, None))
+    assert s[("voicelane_ready", ())] == 0
+    assert not [name for name, _ in s if name.startswith("voicelane_engine_")]
+
+
+def test_engine_series_from_stats():
+    s = samples(ServerMetrics().render(ENGINE_STATS, {"model": "m", "random_weights": "false"}, {"ready": True}))
+    assert s[("voicelane_engine_free_slots", ())] == 30
+    assert s[("voicelane_engine_kv_cache_bytes", ())] == 4096
+    assert s[("voicelane_engine_queue_depth", (("stage", "talker"),))] == 3
+    assert s[("voicelane_engine_batch_size", (("stage", "talker"),))] == 2
+    assert s[("voicelane_engine_rows_total", (("stage", "talker"),))] == 10
+    step = "voicelane_engine_step_seconds"
+    assert s[(step + "_bucket", (("le", "0.001"), ("stage", "talker")))] == 1
+    assert s[(step + "_bucket", (("le", "0.005"), ("stage", "talker")))] == 3  # cumulative, as Prometheus reads it
+    assert s[(step + "_bucket", (("le", "+Inf"), ("stage", "talker")))] == 4
+    assert s[(step + "_count", (("stage", "talker"),))] == 4
+    assert s[(step + "_sum", (("stage", "talker"),))] == 0.5
+    assert len(ENGINE_STATS["stages"]["talker"]["histogram"]) == len(ENGINE_STEP_BUCKETS_S)
+
+
+def test_two_servers_in_one_process_count_apart():
+    a, b = ServerMetrics(), ServerMetrics()
+    a.underruns.inc()
+    assert a.underruns.get() == 1 and b.underruns.get() == 0
