@@ -199,8 +199,18 @@ def test_demo_page_plays_and_barges_in(chromium, server, tmp_path, record_proper
             assert refused["error"].startswith("unknown_voice: "), refused
             status_line = page.text_content("#status")
             assert "refused: unknown_voice: " in status_line and "nobody" in status_line, status_line
-            cells = page.eval_on_selector_all("#utterances tr:first-child td", "tds => tds.map(t => t.textContent)")
+            # the timeline table is redrawn on the page's readout timer, so its row may lag the utterance record
+            shown = ("(() => { const c = document.querySelectorAll('#utterances tr:first-child td');"
+                     " return c.length && c[c.length - 1].textContent.startsWith('unknown_voice: '); })()")
+            try:
+                page.wait_for_function(shown, timeout=5_000)
+            finally:
+                cells = page.eval_on_selector_all("#utterances tr:first-child td",
+                                                  "tds => tds.map(t => t.textContent)")
             assert cells[-1].startswith("unknown_voice: "), cells
+            page.wait_for_timeout(1_000)  # the text sent behind the refused create opens a default context: ended
+            refused = _utterance(page, 2)
+            assert refused["status"] == "error" and refused["decoded_samples"] == 0, refused
             page.select_option("#voice", "ryan")
 
             # 5. screenshot

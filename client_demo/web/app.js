@@ -261,6 +261,13 @@ function onContextCreated(msg, u) {
   u.seed = msg.seed;
   state.byStream.set(msg.stream_id, u);
   if (u.cancelled) return; // barge-in came first: its packets are only counted and dropped
+  if (u.status === "error") {
+    // Its create was refused, but the text sent right behind it opened a context with the session defaults
+    // (a first text creates one): that is not what the user asked for, so end it and drop its audio.
+    u.cancelled = true;
+    send({ type: "context.cancel", context_id: u.contextId });
+    return;
+  }
   u.status = "speaking";
   const fmt = msg.output_format || {};
   const enc = fmt.encoding || (state.codec === "opus" ? "opus" : "pcm_s16le");
@@ -360,7 +367,7 @@ function onJson(msg) {
     case "context.cancelled":
       if (!u) break;
       u.serverCancelled = msg;
-      u.status = "cancelled";
+      if (u.status !== "error") u.status = "cancelled"; // a refused utterance stays refused on screen
       finishUtterance(u);
       break;
     case "error":
