@@ -13,15 +13,12 @@ from typing import TYPE_CHECKING
 from engine.api import (
     SAMPLE_RATE,
     SAMPLES_PER_FRAME,
-    AudioChunk,
     ContextClosed,
-    ContextDone,
     ContextSpec,
     EngineError,
     InvalidRequest,
     ModelInfo,
     Overloaded,
-    SegmentDone,
     VoiceInfo,
 )
 from engine.config import EngineConfig, EngineConfigError, SchedulerConfig
@@ -38,6 +35,16 @@ from engine.model_source import (
     resolve_dtype_name,
 )
 from engine.text.tokenizer import TextTokenizer
+from engine.types import (
+    AudioChunk,
+    ContextDone,
+    EngineEvent,
+    EngineStats,
+    FastPath,
+    Readiness,
+    SegmentDone,
+    StageStats,
+)
 
 if TYPE_CHECKING:
     from engine.engine import Context as EngineContext
@@ -69,14 +76,19 @@ __all__ = [
     "EngineConfigError",
     "EngineContext",
     "EngineError",
+    "EngineEvent",
+    "EngineStats",
+    "FastPath",
     "InvalidRequest",
     "ModelInfo",
     "ModelSourceError",
     "Overloaded",
+    "Readiness",
     "SamplingError",
     "SamplingParams",
     "SchedulerConfig",
     "SegmentDone",
+    "StageStats",
     "TextTokenizer",
     "VoiceInfo",
     "is_random",

@@ -2,14 +2,13 @@
 
 Text crosses in as token ids; audio leaves as float32 PCM chunks at 24 kHz, in order, tagged with their sample
 offset on the context's timeline. A context is one stream of speech; each flush ends a segment, and every
-segment is generated as its own request (fresh KV and codec state, seed = context seed + segment index).
+segment is generated as its own request (fresh KV and codec state, seed = context seed + segment index). The
+events a context yields (AudioChunk, SegmentDone, ContextDone) are step contracts and live in engine/types.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from engine.model.sampling_params import SamplingParams
 
@@ -60,34 +59,6 @@ class ContextSpec:
     # the consumer trims leading silence and calls Context.mark_audible at each segment's onset: until then the
     # segment keeps first-audio priority (a consumer that does not report keeps it until the first chunk)
     reports_onset: bool = False
-
-
-@dataclass(frozen=True)
-class AudioChunk:
-    pcm: np.ndarray  # float32 [n] at SAMPLE_RATE, n = frames * SAMPLES_PER_FRAME
-    start_sample: int  # offset on the context's timeline (all segments back to back)
-    segment: int  # 0, 1, ...
-    first_frame: int  # frame index within the segment of pcm[0]
-    codes: np.ndarray  # int64 [frames, 16]: the codes this audio was decoded from
-
-
-@dataclass(frozen=True)
-class SegmentDone:
-    segment: int
-    reason: str  # "completed" (EOS or bench length), "max_frames"
-    frames: int
-    end_sample: int  # context timeline position after this segment's last sample
-
-
-@dataclass(frozen=True)
-class ContextDone:
-    reason: str  # "completed", "max_frames", "cancelled", "error"
-    audio_samples: int
-    error_code: str | None = None  # with reason "error": the protocol code (synthesis_failed, internal)
-    error_message: str | None = None
-
-
-EngineEvent = AudioChunk | SegmentDone | ContextDone
 
 
 @dataclass(frozen=True)

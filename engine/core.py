@@ -12,8 +12,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from engine.scheduler import Emit, Scheduler
+from engine.scheduler import Scheduler
 from engine.trace import Timeline
+from engine.types import EngineEvent, StageStats
 
 if TYPE_CHECKING:  # the loop itself needs no torch: the simulator drives it with a simulated runner
     from engine.runner import Pending, Runner
@@ -21,27 +22,8 @@ if TYPE_CHECKING:  # the loop itself needs no torch: the simulator drives it wit
 log = logging.getLogger("voicelane.engine")
 
 
-class StageStats:
-    """Cumulative per-stage counters (steps, rows, seconds) and a step-time histogram, for /metrics."""
-
-    BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, float("inf"))
-
-    def __init__(self) -> None:
-        self.steps = self.rows = 0
-        self.seconds = 0.0
-        self.last_batch = 0
-        self.histogram = [0] * len(self.BUCKETS_S)
-
-    def add(self, rows: int, seconds: float) -> None:
-        self.steps += 1
-        self.rows += rows
-        self.seconds += seconds
-        self.last_batch = rows
-        self.histogram[next(i for i, b in enumerate(self.BUCKETS_S) if seconds <= b)] += 1
-
-
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: Runner, deliver: Callable[[list[Emit]], None],
+    def __init__(self, scheduler: Scheduler, runner: Runner, deliver: Callable[[list[EngineEvent]], None],
                  timeline: Timeline, clock: Callable[[], float] = time.monotonic, plan_lead_s: float = 0.0,
                  sleep: Callable[[float], None] | None = None):
         self.scheduler, self.runner, self.deliver, self.timeline, self.clock = (
@@ -52,7 +34,7 @@ class EngineCore:
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.in_flight: Pending | None = None
-        self.stage_stats: dict[str, StageStats] = {}
+        self.stage_stats: dict[str, StageStats] = {}  # stage name -> cumulative counters
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.crashed: BaseException | None = None
@@ -90,12 +72,12 @@ class EngineCore:
             return
         result = self.runner.collect(pending)
         with self.lock:
-            emits = self.scheduler.update(result, self.clock())
+            events = self.scheduler.update(result, self.clock())
         rows = [r.cid for r in pending.plan.rows]
         self.stage_stats.setdefault(result.stage.value, StageStats()).add(len(rows), result.elapsed_s)
         self.timeline.step(result.stage.value, pending.started, result.elapsed_s, rows)
-        if emits:
-            self.deliver(emits)
+        if events:
+            self.deliver(events)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Drive the loop on the caller's thread until nothing is runnable (tests, tools)."""

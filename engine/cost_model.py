@@ -5,7 +5,7 @@ per row, so steps of every chunk size of the ramp fit one line."""
 
 from __future__ import annotations
 
-from engine.request import Stage
+from engine.types import Stage
 
 DECAY = 0.98  # weight of the past per observation (about the last 50 steps matter)
 

@@ -11,20 +11,15 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-import numpy as np
 import torch
 
 from engine.api import (
-    AudioChunk,
     ContextClosed,
-    ContextDone,
     ContextSpec,
     EngineError,
-    EngineEvent,
     InvalidRequest,
     ModelInfo,
     Overloaded,
-    SegmentDone,
     VoiceInfo,
 )
 from engine.config import EngineConfig
@@ -33,8 +28,9 @@ from engine.model.checkpoint import LoadedModel
 from engine.model.prompt import LAYOUTS, PromptError, instruction_ids, resolve_voice, spoken_languages
 from engine.model.sampling_params import SamplingError, SamplingParams
 from engine.runner import Runner
-from engine.scheduler import AdmissionRefused, ContextSetup, Emit, Scheduler
+from engine.scheduler import AdmissionRefused, ContextSetup, Scheduler
 from engine.trace import Timeline
+from engine.types import AudioChunk, ContextDone, EngineEvent, EngineStats, FastPath, Readiness
 
 log = logging.getLogger("voicelane.engine")
 PLAYBACK_STATES = ("buffering", "playing", "underrun", "finished")
@@ -152,8 +148,8 @@ class Engine:
         self.warmed_up = False
         mode = self.config.graph_mode(loaded.device.type)
         why_off = "CPU device" if loaded.device.type != "cuda" else "cuda_graphs=off"
-        self.graph_report: dict = {"enabled": False, "reason": "not captured yet (warmup() captures them)"
-                                   if mode != "off" else f"off ({why_off}): eager PyTorch"}
+        self.graph_report = FastPath(False, "not captured yet (warmup() captures them)" if mode != "off" else
+                                     f"off ({why_off}): eager PyTorch")
         log.info("engine ready: %d slots, KV cache %.1f MiB, device %s, dtype %s", self.config.scheduler.max_slots,
                  self.runner.kv_bytes / 2**20, loaded.device, loaded.dtype)
 
@@ -176,16 +172,16 @@ class Engine:
         try:
             with torch.inference_mode():
                 count, seconds = graphs.capture_all()
-            self.graph_report = {"enabled": graphs.mode == "cuda", "mode": graphs.mode, "graphs": count,
-                                 "capture_s": round(seconds, 2), "batch_buckets": list(graphs.buckets),
-                                 "attention_buckets": list(graphs.kv_buckets), "codec_chunks": list(graphs.chunks),
-                                 "prefill_batches": list(graphs.prefill_buckets),
-                                 "prefill_lengths": list(graphs.prefill_lengths),
-                                 "prefill_eager_above": max(graphs.prefill_lengths, default=0)}
+            self.graph_report = FastPath(enabled=graphs.mode == "cuda", mode=graphs.mode, graphs=count,
+                                         capture_s=round(seconds, 2), batch_buckets=list(graphs.buckets),
+                                         attention_buckets=list(graphs.kv_buckets), codec_chunks=list(graphs.chunks),
+                                         prefill_batches=list(graphs.prefill_buckets),
+                                         prefill_lengths=list(graphs.prefill_lengths),
+                                         prefill_eager_above=max(graphs.prefill_lengths, default=0))
             log.info("captured %d graphs (%s) in %.1f s", count, graphs.mode, seconds)
         except Exception as exc:  # noqa: BLE001 - reported, then served eagerly
             self.runner.graphs = None
-            self.graph_report = {"enabled": False, "reason": f"capture failed: {type(exc).__name__}: {exc}"}
+            self.graph_report = FastPath(False, f"capture failed: {type(exc).__name__}: {exc}")
             log.error("CUDA graph capture FAILED, serving eagerly (slow): %s", exc)
 
     def warmup(self, frames: int = 4) -> float:
@@ -206,15 +202,15 @@ class Engine:
         self.warmed_up = True
         return time.monotonic() - t0
 
-    def readiness(self) -> dict:
+    def readiness(self) -> Readiness:
         """What /ready reports: which fast paths are in use, and why not where they are not."""
-        device = self.loaded.device
-        return {"model_loaded": True, "warmed_up": self.warmed_up, "engine_running": self.core.crashed is None,
-                "device": str(device), "dtype": str(self.loaded.dtype).replace("torch.", ""),
-                "cuda_graphs": (self.graph_report if self.runner.graph_failure is None else
-                                {"enabled": False, "reason": f"capture failed: {self.runner.graph_failure}"}),
-                "triton_attention": {"enabled": False, "reason": "not built yet: attention runs in plain PyTorch"},
-                "random_weights": self.loaded.random_weights}
+        graphs = (self.graph_report if self.runner.graph_failure is None else
+                  FastPath(False, f"capture failed: {self.runner.graph_failure}"))
+        return Readiness(model_loaded=True, warmed_up=self.warmed_up, engine_running=self.core.crashed is None,
+                         device=str(self.loaded.device), dtype=str(self.loaded.dtype).replace("torch.", ""),
+                         cuda_graphs=graphs,
+                         triton_attention=FastPath(False, "not built yet: attention runs in plain PyTorch"),
+                         random_weights=self.loaded.random_weights)
 
     def start(self) -> None:
         self.core.start()
@@ -259,52 +255,40 @@ class Engine:
         for cid, ctx in list(self.contexts.items()):
             ctx.ended = True
             del self.contexts[cid]
-            done = ContextDone("error", 0, "internal", message)
+            done = ContextDone("error", 0, "internal", message, cid=cid)
             ctx._loop.call_soon_threadsafe(ctx._push, [done])
 
     def _call(self, fn, cid: int, *args):
         with self.core.lock:
             out = fn(cid, *args, time.monotonic())
-            emits = self.scheduler.drain_outbox()
-        if emits:
-            self._deliver(emits)
+            events = self.scheduler.drain_outbox()
+        if events:
+            self._deliver(events)
         self.core.wake.set()
         return out
 
-    def _deliver(self, emits: list[Emit]) -> None:
-        """Route scheduler output to the contexts' queues (called on the engine thread or inside a call)."""
+    def _deliver(self, events: list[EngineEvent]) -> None:
+        """Route the scheduler's events to the contexts' queues (called on the engine thread or inside a call)."""
         routed: dict[int, tuple[Context, list[EngineEvent]]] = {}
-        for e in emits:
+        for e in events:
             ctx = self.contexts.get(e.cid)
             if ctx is None:
                 continue
-            routed.setdefault(e.cid, (ctx, []))[1].append(self._event(e))
-            if e.kind == "context_done":
+            routed.setdefault(e.cid, (ctx, []))[1].append(e)
+            if isinstance(e, ContextDone):
                 ctx.ended = True
                 self.runner.faults.pop(e.cid, None)
                 del self.contexts[e.cid]
-        for ctx, events in routed.values():
-            ctx._loop.call_soon_threadsafe(ctx._push, events)
-
-    @staticmethod
-    def _event(e: Emit) -> EngineEvent:
-        if e.kind == "audio":
-            return AudioChunk(pcm=np.asarray(e.pcm, dtype=np.float32), start_sample=e.start_sample,
-                              segment=e.segment, first_frame=e.first_frame, codes=np.asarray(e.codes))
-        if e.kind == "segment_done":
-            return SegmentDone(e.segment, e.reason, e.frames, e.start_sample)
-        code = "synthesis_failed" if e.reason == "error" else None
-        return ContextDone(e.reason, e.start_sample, code, e.error)
+        for ctx, batch in routed.values():
+            ctx._loop.call_soon_threadsafe(ctx._push, batch)
 
     # ------------------------------------------------------------------ introspection
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         with self.core.lock:
             s = self.scheduler.stats()
-        s["stages"] = {k: {"steps": v.steps, "rows": v.rows, "seconds": v.seconds, "last_batch": v.last_batch,
-                           "histogram": list(v.histogram)} for k, v in self.core.stage_stats.items()}
-        s["kv_cache_bytes"] = self.runner.kv_bytes
-        s["open_contexts"] = len(self.contexts)
-        return s
+        stages = {k: v.snapshot() for k, v in self.core.stage_stats.items()}
+        return EngineStats(**vars(s), stages=stages, kv_cache_bytes=self.runner.kv_bytes,
+                           open_contexts=len(self.contexts))
 
     def chrome_trace(self) -> str:
         return self.timeline.chrome_trace()

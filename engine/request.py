@@ -4,27 +4,17 @@ A context is one stream of speech on one audio timeline; each segment (text up t
 Request that moves through PREFILL -> (CODE_PREDICTOR -> TALKER)* with CODEC chunks alongside. The scheduler
 advances a request's progress counters when it *plans* a step (device work is stream-ordered, so the next step
 may be planned before the last one finished); facts only the host can learn late (EOS, NaN, audio) arrive
-through StageResult one iteration later.
+through StageResult (engine/types.py) one iteration later.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from engine.model.prompt import Prompt
 from engine.model.sampling_params import SamplingParams
 
 FRAME_S = 0.08  # one frame = 80 ms of audio
-
-
-class Stage(str, enum.Enum):
-    PREFILL = "prefill"
-    CODE_PREDICTOR = "code_predictor"
-    TALKER = "talker"
-    CODEC = "codec"
 
 
 @dataclass
@@ -109,33 +99,3 @@ class Request:
     @property
     def generating(self) -> bool:
         return self.stop_at is None
-
-
-@dataclass(frozen=True)
-class RowPlan:
-    rid: int
-    cid: int  # context (the test-only fault hook is keyed by it)
-    slot: int
-    frame: int  # PREFILL 0; CODE_PREDICTOR s (makes frame s); TALKER s (reads frame s, samples c0[s+1]); CODEC first
-    prompt: Prompt | None = None  # PREFILL
-    sampling: SamplingParams | None = None  # PREFILL: loaded into the slot's device state
-    text_id: int | None = None  # TALKER: text-track id of this step
-    eos_allowed: bool = True  # PREFILL / TALKER: may the code-0 sampled now be EOS
-    chunk: int = 0  # CODEC: frames decoded
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    stage: Stage
-    rows: list[RowPlan]
-
-
-@dataclass
-class StageResult:
-    stage: Stage
-    rids: list[int]
-    elapsed_s: float
-    eos: list[bool] | None = None  # PREFILL / TALKER: the sampled code 0 was EOS
-    failed: list[str | None] | None = None  # per row: why it failed (NaN logits, exception), else None
-    pcm: np.ndarray | None = None  # CODEC [B, chunk * 1920] float32
-    codes: np.ndarray | None = None  # CODEC [B, chunk, 16] int64

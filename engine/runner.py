@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
@@ -19,7 +19,7 @@ from engine.graphs import GraphCaptureError, StageGraphs
 from engine.model.checkpoint import LoadedModel
 from engine.model.prompt import NO_CODEC
 from engine.model.sampling import SamplerRows
-from engine.request import RowPlan, StagePlan, StageResult
+from engine.types import RowPlan, StagePlan, StageResult, StepOutputs
 
 log = logging.getLogger("voicelane.runner")
 
@@ -58,7 +58,7 @@ class Pending:
 
     plan: StagePlan
     started: float
-    parts: list[tuple[list[int], dict[str, Tensor]]] = field(default_factory=list)  # (row indices, outputs)
+    parts: list[tuple[list[int], StepOutputs]] = field(default_factory=list)  # (row indices, their outputs)
     failed: dict[int, str] = field(default_factory=dict)  # row index -> reason
     elapsed_s: float = 0.0  # CPU: the launch ran the step, so its duration is known when launch returns
     start_event: object = None  # CUDA: timing events around the step's own work on the stream
@@ -107,7 +107,7 @@ class Runner:
             pending.start_event.record()
         stage_fn = getattr(self, f"_{plan.stage.value}")
 
-        def run(rows: list[RowPlan]) -> dict[str, Tensor]:
+        def run(rows: list[RowPlan]) -> StepOutputs:
             if self.debug_sync:
                 self.check_inputs(plan.stage.value, rows)
             return stage_fn(rows)
@@ -131,8 +131,10 @@ class Runner:
                           [(r.cid, r.slot, r.frame, r.chunk) for r in plan.rows])
                 raise
         for _, outputs in pending.parts:
-            for key, value in outputs.items():
-                outputs[key] = value.to("cpu", non_blocking=True) if value.device.type == "cuda" else value
+            for f in fields(outputs):
+                value = getattr(outputs, f.name)
+                if value is not None and value.device.type == "cuda":
+                    setattr(outputs, f.name, value.to("cpu", non_blocking=True))
         if self.device.type == "cuda":
             pending.end_event = torch.cuda.Event(enable_timing=True)
             pending.end_event.record()
@@ -148,10 +150,13 @@ class Runner:
         plan, n = pending.plan, len(pending.plan.rows)
         result = StageResult(plan.stage, [r.rid for r in plan.rows], elapsed)
         failed: list[str | None] = [pending.failed.get(i) for i in range(n)]
-        merged: dict[str, list] = {}
+        merged: dict[str, list] = {}  # StepOutputs field -> per plan row, None where no part produced it
         for rows, outputs in pending.parts:
-            for key, value in outputs.items():
-                arr = merged.setdefault(key, [None] * n)
+            for f in fields(outputs):
+                value = getattr(outputs, f.name)
+                if value is None:
+                    continue
+                arr = merged.setdefault(f.name, [None] * n)
                 for j, i in enumerate(rows):
                     arr[i] = value[j].numpy()
         if "bad" in merged:
@@ -243,7 +248,7 @@ class Runner:
                 log.error("CUDA graph capture FAILED, serving eagerly from now on (slow): %s", exc)
         return eager_call()
 
-    def _prefill(self, rows: list[RowPlan]) -> dict[str, Tensor]:
+    def _prefill(self, rows: list[RowPlan]) -> StepOutputs:
         self._inject(rows, [0] * len(rows))
         slots = self._slots(rows)
         lengths = [len(r.prompt) for r in rows]
@@ -266,7 +271,7 @@ class Runner:
         self.hidden[slots], self.code0[slots], self.position[slots] = hidden, code0, length
         for r, n in zip(rows, lengths, strict=True):
             self.host_position[r.slot] = n
-        return {"eos": code0 == self.model.eos_id, "bad": ~torch.isfinite(logits).all(dim=-1)}
+        return StepOutputs(eos=code0 == self.model.eos_id, bad=~torch.isfinite(logits).all(dim=-1))
 
     def _load_sampling(self, rows: list[RowPlan], slots: Tensor) -> None:
         s = self.sampling
@@ -315,16 +320,16 @@ class Runner:
     def codec_step(self, slots: Tensor, codes: Tensor) -> tuple[Tensor]:
         return (self.codec.decode_stream(codes.transpose(1, 2), self.codec_state, slots),)
 
-    def _code_predictor(self, rows: list[RowPlan]) -> dict[str, Tensor]:
+    def _code_predictor(self, rows: list[RowPlan]) -> StepOutputs:
         slots = self._slots(rows)
         frame = self._column([r.frame for r in rows], torch.int64)
         (rest,) = self._graph_or_eager(rows, lambda: self.graphs.code_predictor(slots, frame),
                                        lambda: self.code_predictor_step(slots, frame))
         self.rest[slots] = rest
         self.frames[slots, frame] = torch.cat([self.code0[slots, None], rest], dim=1)
-        return {}
+        return StepOutputs()  # the frame stays on the device, for the codec
 
-    def _talker(self, rows: list[RowPlan]) -> dict[str, Tensor]:
+    def _talker(self, rows: list[RowPlan]) -> StepOutputs:
         self._inject(rows, [r.frame + 1 for r in rows])
         slots = self._slots(rows)
         text = self._column([r.text_id for r in rows], torch.int64)
@@ -339,9 +344,9 @@ class Runner:
         self.position[slots] += 1
         for r in rows:
             self.host_position[r.slot] += 1
-        return {"eos": code0 == self.model.eos_id, "bad": ~torch.isfinite(logits).all(dim=-1)}
+        return StepOutputs(eos=code0 == self.model.eos_id, bad=~torch.isfinite(logits).all(dim=-1))
 
-    def _codec(self, rows: list[RowPlan]) -> dict[str, Tensor]:
+    def _codec(self, rows: list[RowPlan]) -> StepOutputs:
         chunk = rows[0].chunk
         slots = self._slots(rows)
         first = self._column([r.frame for r in rows], torch.int64)
@@ -349,4 +354,4 @@ class Runner:
         codes = self.frames[slots[:, None], index]  # [B, chunk, 16]
         (pcm,) = self._graph_or_eager(rows, lambda: self.graphs.codec(slots, codes),
                                       lambda: self.codec_step(slots, codes))
-        return {"pcm": pcm.float(), "codes": codes}
+        return StepOutputs(pcm=pcm.float(), codes=codes)

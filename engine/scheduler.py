@@ -20,12 +20,25 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.config import SchedulerConfig
 from engine.cost_model import CostModel
 from engine.model.config import ModelConfig
 from engine.model.prompt import Voice, build_prompt, text_track_id
 from engine.model.sampling_params import SamplingParams
-from engine.request import FRAME_S, ContextState, Request, RowPlan, Stage, StagePlan, StageResult
+from engine.request import FRAME_S, ContextState, Request
+from engine.types import (
+    AudioChunk,
+    ContextDone,
+    EngineEvent,
+    RowPlan,
+    SchedulerStats,
+    SegmentDone,
+    Stage,
+    StagePlan,
+    StageResult,
+)
 
 SAMPLE_RATE = 24000
 STARVATION_S = 1.0  # a runnable request not served for this long is treated as urgent
@@ -39,22 +52,6 @@ URGENT, NEWCOMER, PLAYING_URGENT, NOT_URGENT = 0, 1, 2, 3
 class AdmissionRefused(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
-
-
-@dataclass(frozen=True)
-class Emit:
-    """Something the engine loop must deliver to a context: audio, a segment end, or the context's end."""
-
-    cid: int
-    kind: str  # "audio" | "segment_done" | "context_done"
-    segment: int = 0
-    pcm: object = None  # numpy float32 [n] for audio
-    codes: object = None  # numpy int64 [frames, 16] for audio
-    start_sample: int = 0
-    first_frame: int = 0
-    frames: int = 0
-    reason: str = ""
-    error: str | None = None
 
 
 @dataclass
@@ -81,7 +78,7 @@ class Scheduler:
         # Predicted length of the last step planned: the device holds it when the next plan is made, and
         # nothing planned then starts before it ends.
         self._in_flight_s = 0.0
-        self.outbox: list[Emit] = []
+        self.outbox: list[EngineEvent] = []  # events not yet handed to the engine, in order
 
     # ------------------------------------------------------------------ context operations
     def open_context(self, setup: ContextSetup, sampling: SamplingParams, now: float) -> int:
@@ -395,7 +392,7 @@ class Scheduler:
             self._stop(r, r.frames_made, "completed")
 
     # ------------------------------------------------------------------ results
-    def update(self, result: StageResult, now: float) -> list[Emit]:
+    def update(self, result: StageResult, now: float) -> list[EngineEvent]:
         chunks = [len(c) for c in result.codes or () if c is not None]  # codec: frames per row of this step
         frames = chunks[0] if chunks else 1
         self.costs.observe(result.stage, len(result.rids), result.elapsed_s, frames)
@@ -421,8 +418,9 @@ class Scheduler:
     def _emit_audio(self, r: Request, pcm, codes, now: float) -> None:
         ctx = r.context
         frames = codes.shape[0]
-        self.outbox.append(Emit(ctx.cid, "audio", r.segment, pcm=pcm, codes=codes, start_sample=ctx.audio_samples,
-                                first_frame=r.frames_emitted))
+        self.outbox.append(AudioChunk(pcm=np.asarray(pcm, dtype=np.float32), start_sample=ctx.audio_samples,
+                                      segment=r.segment, first_frame=r.frames_emitted, codes=np.asarray(codes),
+                                      cid=ctx.cid))
         if r.first_audio_at is None:
             r.first_audio_at = now
             self._trace(ctx.cid, "first_audio", now, segment=r.segment)
@@ -443,8 +441,8 @@ class Scheduler:
         self.requests.pop(r.rid, None)
         self._last_served.pop(r.rid, None)
         ctx.last_reason = r.finish_reason
-        self.outbox.append(Emit(ctx.cid, "segment_done", r.segment, frames=r.stop_at, reason=r.finish_reason,
-                                start_sample=ctx.audio_samples))
+        self.outbox.append(SegmentDone(r.segment, r.finish_reason, frames=r.stop_at, end_sample=ctx.audio_samples,
+                                       cid=ctx.cid))
         self._trace(ctx.cid, "segment_done", now, segment=r.segment)
         self._finish_context_if_idle(ctx, now)
 
@@ -460,15 +458,16 @@ class Scheduler:
         del self.contexts[ctx.cid]
         del self.setups[ctx.cid]
         self.free_slots.append(ctx.slot)
-        self.outbox.append(Emit(ctx.cid, "context_done", reason=reason, start_sample=ctx.audio_samples, error=error))
+        code = "synthesis_failed" if reason == "error" else None
+        self.outbox.append(ContextDone(reason, ctx.audio_samples, error_code=code, error_message=error, cid=ctx.cid))
         self._trace(ctx.cid, "done", now, reason=reason)
 
-    def drain_outbox(self) -> list[Emit]:
+    def drain_outbox(self) -> list[EngineEvent]:
         out, self.outbox = self.outbox, []
         return out
 
     # ------------------------------------------------------------------ introspection
-    def stats(self) -> dict:
+    def stats(self) -> SchedulerStats:
         heads = list(self._heads())
         waiting = {s.value: 0 for s in Stage}
         for r in heads:
@@ -477,11 +476,12 @@ class Scheduler:
                 waiting[st.value] += 1
             if self.codec_chunk(r):
                 waiting[Stage.CODEC.value] += 1
-        return {"contexts": len(self.contexts), "requests": len(self.requests), "free_slots": len(self.free_slots),
-                "waiting_first_audio": sum(1 for r in heads if r.first_audio_at is None and r.text_ids),
-                "text_starved": sum(1 for r in heads if r.prefilled and r.generating and
-                                    self.generation_stage(r) is None and not self.codec_chunk(r)),
-                "queue_depth": waiting}
+        return SchedulerStats(
+            contexts=len(self.contexts), requests=len(self.requests), free_slots=len(self.free_slots),
+            waiting_first_audio=sum(1 for r in heads if r.first_audio_at is None and r.text_ids),
+            text_starved=sum(1 for r in heads if r.prefilled and r.generating and
+                             self.generation_stage(r) is None and not self.codec_chunk(r)),
+            queue_depth=waiting)
 
     def _trace(self, cid: int, name: str, now: float, **args) -> None:
         if self.timeline is not None:

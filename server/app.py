@@ -96,7 +96,7 @@ async def test_state(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
     return JSONResponse({"tasks": len(asyncio.all_tasks()), "sessions": len(rt.sessions),
                          "http_streams": rt.http_streams,
-                         "engine": rt.engine.stats() if rt.engine is not None else None})
+                         "engine": rt.engine.stats().to_json() if rt.engine is not None else None})
 
 
 async def not_found(request: Request, exc) -> Response:

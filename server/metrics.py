@@ -14,6 +14,8 @@ import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from engine import EngineStats
+
 # The hand-written exposition this replaced never had `*_created` series; dashboards and alerts know the names it
 # had, so the library is told not to add them (its documented switch; it reads this when it collects).
 prometheus_client.disable_created_metrics()
@@ -106,7 +108,7 @@ class ServerMetrics:
         self.sessions_total = Counter(self._sessions_total_registry, "voicelane_ws_sessions_total",
                                       "WebSocket sessions, by how they closed", ("close_code",))
 
-    def render(self, engine_stats: dict | None, info: dict, readiness: dict | None) -> str:
+    def render(self, engine_stats: EngineStats | None, info: dict, readiness: dict | None) -> str:
         info_family = GaugeMetricFamily("voicelane_info", "The served model", labels=list(info))
         info_family.add_metric([str(v) for v in info.values()], 1)
         ready = GaugeMetricFamily("voicelane_ready", "1 when the server accepts work (/ready)",
@@ -116,33 +118,33 @@ class ServerMetrics:
                                                                scrape_time)).decode()
 
 
-def engine_families(s: dict) -> list[Metric]:
+def engine_families(s: EngineStats) -> list[Metric]:
     """The engine's series from one `Engine.stats()` snapshot."""
     out: list[Metric] = [
-        GaugeMetricFamily("voicelane_engine_open_contexts", "Contexts open in the engine", s.get("open_contexts", 0)),
-        GaugeMetricFamily("voicelane_engine_free_slots", "Free request slots (KV cache rows)", s.get("free_slots", 0)),
+        GaugeMetricFamily("voicelane_engine_open_contexts", "Contexts open in the engine", s.open_contexts),
+        GaugeMetricFamily("voicelane_engine_free_slots", "Free request slots (KV cache rows)", s.free_slots),
         GaugeMetricFamily("voicelane_engine_waiting_first_audio",
-                          "Requests with text still waiting for their first audio", s.get("waiting_first_audio", 0)),
-        GaugeMetricFamily("voicelane_engine_text_starved", "Requests waiting for more text", s.get("text_starved", 0)),
-        GaugeMetricFamily("voicelane_engine_kv_cache_bytes", "KV cache memory", s.get("kv_cache_bytes", 0)),
+                          "Requests with text still waiting for their first audio", s.waiting_first_audio),
+        GaugeMetricFamily("voicelane_engine_text_starved", "Requests waiting for more text", s.text_starved),
+        GaugeMetricFamily("voicelane_engine_kv_cache_bytes", "KV cache memory", s.kv_cache_bytes),
     ]
     depth = GaugeMetricFamily("voicelane_engine_queue_depth", "Requests waiting at each stage now", labels=["stage"])
-    for stage, waiting in sorted(s.get("queue_depth", {}).items()):
+    for stage, waiting in sorted(s.queue_depth.items()):
         depth.add_metric([stage], waiting)
-    stages = sorted(s.get("stages", {}).items())
+    stages = sorted(s.stages.items())
     batch = GaugeMetricFamily("voicelane_engine_batch_size", "Rows in the last step of each stage", labels=["stage"])
     rows = CounterMetricFamily("voicelane_engine_rows_total",
                                "Rows processed by each stage (rows/steps = mean batch size)", labels=["stage"])
     steps = HistogramMetricFamily("voicelane_engine_step_seconds", "Step time of each stage", labels=["stage"])
     for stage, v in stages:
-        batch.add_metric([stage], v["last_batch"])
-        rows.add_metric([stage], v["rows"])
-        counts = list(v["histogram"])
+        batch.add_metric([stage], v.last_batch)
+        rows.add_metric([stage], v.rows)
+        counts = list(v.histogram)
         if len(counts) != len(ENGINE_STEP_BUCKETS_S):  # an engine with other buckets: none rather than a wrong one
             continue
         cumulative, total = [], 0
         for bound, count in zip(ENGINE_STEP_BUCKETS_S, counts, strict=True):
             total += count
             cumulative.append((floatToGoString(bound), total))
-        steps.add_metric([stage], cumulative, sum_value=v["seconds"])
+        steps.add_metric([stage], cumulative, sum_value=v.seconds)
     return out + [depth, batch, rows, steps]

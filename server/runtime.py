@@ -129,7 +129,7 @@ class Runtime:
         if self.engine is None:
             return False
         try:
-            return bool(self.engine.readiness().get("engine_running", True))
+            return self.engine.readiness().engine_running
         except Exception:  # noqa: BLE001
             return False
 
@@ -138,7 +138,7 @@ class Runtime:
         if self.load_error:
             r["load_error"] = self.load_error
         if self.engine is not None:
-            r.update(self.engine.readiness())
+            r.update(self.engine.readiness().to_json())
             r["model"] = self.engine.info.name
         r["ready"] = bool(self.engine is not None and r.get("warmed_up") and r.get("engine_running")
                           and not self.draining)

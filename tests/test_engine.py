@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.api import AudioChunk, ContextDone, ContextSpec, Overloaded, SegmentDone
+from engine.api import ContextSpec, Overloaded
 from engine.config import EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.model.sampling_params import SamplingParams
+from engine.types import AudioChunk, ContextDone, SegmentDone
 
 TEXT = list(range(3000, 3014))  # 14 text tokens
 GREEDY = SamplingParams(temperature=0.0, sub_temperature=0.0, max_frames=16)
@@ -165,7 +166,7 @@ def test_cancel_stops_the_context_and_frees_everything(engine):
     assert isinstance(events[-1], ContextDone) and events[-1].reason == "cancelled"
     assert codes_of(events).shape[0] < 60
     stats = engine.stats()
-    assert stats["contexts"] == 0 and stats["requests"] == 0 and stats["free_slots"] == 20
+    assert stats.contexts == 0 and stats.requests == 0 and stats.free_slots == 20
 
 
 def test_a_failing_context_never_hurts_its_siblings(engine):
@@ -254,8 +255,8 @@ def test_random_operations_leave_nothing_behind(tiny_model):
     finally:
         engine.stop()
     assert all(isinstance(e, ContextDone) for e in ends)
-    assert stats["contexts"] == 0 and stats["requests"] == 0 and stats["open_contexts"] == 0
-    assert stats["free_slots"] == 12 and stats["waiting_first_audio"] == 0
+    assert stats.contexts == 0 and stats.requests == 0 and stats.open_contexts == 0
+    assert stats.free_slots == 12 and stats.waiting_first_audio == 0
     assert not engine.runner.faults
 
 
@@ -298,10 +299,10 @@ def test_graph_bucketing_matches_eager(tiny_model, ramp):
     on_gpu = tiny_model.device.type == "cuda"  # VOICELANE_TEST_DEVICE=cuda: real capture and replay
     eager, ready_eager = run("off")
     padded, ready_padded = run("on" if on_gpu else "emulate")
-    assert ready_eager["cuda_graphs"]["enabled"] is False and "off" in ready_eager["cuda_graphs"]["reason"]
-    assert ready_padded["cuda_graphs"]["mode"] == ("cuda" if on_gpu else "emulate")
-    assert ready_padded["cuda_graphs"]["graphs"] > 0
-    assert ready_padded["cuda_graphs"]["prefill_lengths"] == [16, 32, 64]
+    assert ready_eager.cuda_graphs.enabled is False and "off" in ready_eager.cuda_graphs.reason
+    assert ready_padded.cuda_graphs.mode == ("cuda" if on_gpu else "emulate")
+    assert ready_padded.cuda_graphs.graphs > 0
+    assert ready_padded.cuda_graphs.prefill_lengths == [16, 32, 64]
     for (_, a), (_, b) in zip(eager, padded, strict=True):
         assert np.array_equal(codes_of(a), codes_of(b))
         assert np.abs(pcm_of(a) - pcm_of(b)).max() < 1e-5
@@ -329,7 +330,7 @@ def test_a_dead_engine_loop_ends_every_context(tiny_model):
         engine.stop()
     assert events[-1].reason == "error" and events[-1].error_code == "internal"
     assert "device lost" in events[-1].error_message
-    assert getattr(refused, "code", None) == "internal" and engine.readiness()["engine_running"] is False
+    assert getattr(refused, "code", None) == "internal" and engine.readiness().engine_running is False
 
 
 def test_whole_layout_text_longer_than_the_prompt_is_refused(tiny_model):
@@ -394,8 +395,8 @@ def test_a_step_is_timed_alone_not_with_what_ran_before_its_collect(tiny_model):
     one, so the time between must not be charged to this step."""
     import time as _time
 
-    from engine.request import RowPlan, Stage, StagePlan
     from engine.runner import Runner
+    from engine.types import RowPlan, Stage, StagePlan
 
     runner = Runner(tiny_model, EngineConfig(scheduler=SchedulerConfig(max_slots=2), max_frames=16,
                                              max_prompt_tokens=64))

@@ -3,6 +3,7 @@ parsed back with the client library's own parser."""
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine import EngineStats, StageStats
 from server.metrics import ENGINE_STEP_BUCKETS_S, ServerMetrics
 
 
@@ -11,12 +12,13 @@ def samples(text: str) -> dict[tuple, float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-ENGINE_STATS = {
-    "open_contexts": 2, "free_slots": 30, "waiting_first_audio": 1, "text_starved": 0, "kv_cache_bytes": 4096,
-    "queue_depth": {"talker": 3, "codec": 0},
-    "stages": {"talker": {"steps": 4, "rows": 10, "seconds": 0.5, "last_batch": 2,
-                          "histogram": [1, 0, 2, 0, 0, 0, 0, 0, 0, 1, 0]}},
-}
+ENGINE_STATS = EngineStats(
+    contexts=2, requests=2, free_slots=30, waiting_first_audio=1, text_starved=0,
+    queue_depth={"talker": 3, "codec": 0},
+    stages={"talker": StageStats(steps=4, rows=10, seconds=0.5, last_batch=2,
+                                 histogram=[1, 0, 2, 0, 0, 0, 0, 0, 0, 1, 0])},
+    kv_cache_bytes=4096, open_contexts=2,
+)
 
 
 def test_server_series_keep_their_names_labels_and_values():
@@ -69,7 +71,7 @@ def test_engine_series_from_stats():
     assert s[(step + "_bucket", (("le", "+Inf"), ("stage", "talker")))] == 4
     assert s[(step + "_count", (("stage", "talker"),))] == 4
     assert s[(step + "_sum", (("stage", "talker"),))] == 0.5
-    assert len(ENGINE_STATS["stages"]["talker"]["histogram"]) == len(ENGINE_STEP_BUCKETS_S)
+    assert len(ENGINE_STATS.stages["talker"].histogram) == len(ENGINE_STEP_BUCKETS_S) == len(StageStats.BUCKETS_S)
 
 
 def test_two_servers_in_one_process_count_apart():

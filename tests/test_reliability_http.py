@@ -12,6 +12,7 @@ from live_server import live_server
 from starlette.testclient import TestClient
 from test_server_http import ogg_packets, post
 
+from engine import FastPath, Readiness
 from server.app import create_app
 from server.config import ServerConfig
 from server.runtime import Runtime
@@ -64,8 +65,10 @@ class DeadEngine:
 
     info = SimpleNamespace(name="dead", random_weights=True)
 
-    def readiness(self) -> dict:
-        return {"model_loaded": True, "warmed_up": True, "engine_running": False}
+    def readiness(self) -> Readiness:
+        off = FastPath(False, "dead")
+        return Readiness(model_loaded=True, warmed_up=True, engine_running=False, device="cpu", dtype="float32",
+                         cuda_graphs=off, triton_attention=off, random_weights=True)
 
     def stop(self) -> None:
         pass

@@ -14,9 +14,9 @@ from engine.model.config import ModelConfig
 from engine.model.presets import model_config
 from engine.model.prompt import resolve_voice
 from engine.model.sampling_params import SamplingParams
-from engine.request import Stage, StagePlan, StageResult
 from engine.scheduler import AdmissionRefused, ContextSetup, Scheduler
 from engine.trace import Timeline
+from engine.types import AudioChunk, ContextDone, Stage, StagePlan, StageResult
 
 MODEL = ModelConfig.from_dict(model_config("tiny"))
 SPF = 1920
@@ -81,7 +81,7 @@ def open_ctx(sched, clock, words=3, close=True, max_frames=50, layout="dual", mi
 
 
 def audio(emitted, cid):
-    return [e for e in emitted if e.cid == cid and e.kind == "audio"]
+    return [e for e in emitted if e.cid == cid and isinstance(e, AudioChunk)]
 
 
 def test_burst_of_arrivals_is_prefilled_together_and_all_get_audio():
@@ -93,9 +93,9 @@ def test_burst_of_arrivals_is_prefilled_together_and_all_get_audio():
     for cid in cids:
         frames = [int(f) for e in audio(emitted, cid) for f in e.codes[:, 0]]
         assert frames == list(range(8))  # in order, nothing lost, nothing twice
-        done = [e for e in emitted if e.cid == cid and e.kind == "context_done"]
+        done = [e for e in emitted if e.cid == cid and isinstance(e, ContextDone)]
         assert len(done) == 1 and done[0].reason == "max_frames"
-    assert sched.stats()["contexts"] == 0 and sched.stats()["free_slots"] == 16
+    assert sched.stats().contexts == 0 and sched.stats().free_slots == 16
 
 
 def test_eos_read_one_iteration_late_drops_the_speculative_frame():
@@ -107,7 +107,7 @@ def test_eos_read_one_iteration_late_drops_the_speculative_frame():
     assert frames == [0, 1, 2, 3, 4]
     cp_frames = [r.frame for p in runner.plans if p.stage == Stage.CODE_PREDICTOR for r in p.rows]
     assert max(cp_frames) <= 5  # at most one wasted frame past EOS
-    assert [e.reason for e in emitted if e.kind == "context_done"] == ["completed"]
+    assert [e.reason for e in emitted if isinstance(e, ContextDone)] == ["completed"]
 
 
 def test_text_starved_request_waits_and_never_reads_padding():
@@ -118,8 +118,8 @@ def test_text_starved_request_waits_and_never_reads_padding():
         core.step()
     talker_rows = [r for p in runner.plans if p.stage == Stage.TALKER for r in p.rows if r.cid == starved]
     assert [r.text_id for r in talker_rows] == [101]  # step 0 read text[1]; step 1 needs text[2]: waiting
-    assert sched.stats()["text_starved"] == 1
-    assert any(e.kind == "context_done" for e in emitted if e.cid == other)  # the other context went on
+    assert sched.stats().text_starved == 1
+    assert any(isinstance(e, ContextDone) for e in emitted if e.cid == other)  # the other context went on
     sched.append_text(starved, [102, 103], clock())
     sched.end_segment(starved, 4, clock(), close=True)
     core.run_until_idle()
@@ -152,7 +152,7 @@ def test_throughput_mode_when_nothing_is_urgent_runs_the_biggest_group():
         core.step()
     for cid in cids:  # everyone has a deep buffer: nothing is urgent
         sched.contexts[cid].clock.first_sent_at = clock() + 100
-    waiting = sched.stats()["queue_depth"]  # requests runnable at each stage, before planning
+    waiting = sched.stats().queue_depth  # requests runnable at each stage, before planning
     assert all(sched.deadline(r, clock()) > clock() for r in sched._heads())  # throughput mode
     plan = sched.plan(clock())
     assert len(plan.rows) == max(waiting.values()) and waiting[plan.stage.value] == len(plan.rows)
@@ -168,10 +168,10 @@ def test_cancel_mid_batch_frees_the_slot_and_emits_nothing_after():
     emitted.extend(sched.drain_outbox())
     cancelled_at = len(emitted)
     core.run_until_idle()
-    assert [e.kind for e in emitted if e.cid == a][-1] == "context_done"
+    assert isinstance([e for e in emitted if e.cid == a][-1], ContextDone)
     assert not [e for e in emitted[cancelled_at:] if e.cid == a]
-    assert [e.reason for e in emitted if e.cid == b and e.kind == "context_done"] == ["max_frames"]
-    assert sched.stats()["free_slots"] == 16 and not sched.requests
+    assert [e.reason for e in emitted if e.cid == b and isinstance(e, ContextDone)] == ["max_frames"]
+    assert sched.stats().free_slots == 16 and not sched.requests
 
 
 def test_admission_refuses_when_slots_or_predicted_time_run_out():
@@ -199,7 +199,7 @@ def test_no_stream_starves_under_random_load():
     def deliver(emits):
         for e in emits:
             served.setdefault(e.cid, []).append(clock())
-            if e.kind == "context_done":
+            if isinstance(e, ContextDone):
                 served[e.cid].append(-1.0)
 
     core = EngineCore(sched, runner, deliver, sched.timeline, clock)
@@ -216,7 +216,7 @@ def test_no_stream_starves_under_random_load():
         assert times[-1] == -1.0, f"context {cid} never finished"
         gaps = np.diff(times[:-1])
         assert gaps.max() < 1.5, f"context {cid} waited {gaps.max():.2f} s between outputs"
-    assert sched.stats()["contexts"] == 0 and sched.stats()["free_slots"] == 16
+    assert sched.stats().contexts == 0 and sched.stats().free_slots == 16
 
 
 def test_timeline_exports_chrome_trace():

@@ -75,7 +75,7 @@ def test_slow_http_reader_is_cut_off():
 
     import numpy as np
 
-    from engine.api import AudioChunk
+    from engine import AudioChunk
     from engine.model.sampling_params import SamplingParams
     from server.audio.stream import HttpAudioStream
     from server.config import Limits, ServerConfig

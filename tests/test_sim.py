@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 
 from engine.config import SchedulerConfig
-from engine.request import Stage
-from engine.scheduler import Emit
 from engine.sim.profile import DEFAULT_PROFILE, StageProfile
 from engine.sim.run import Listener, SimOptions, Simulation, simulate
 from engine.sim.workload import Arrival, poisson_workload, word_ids
+from engine.types import AudioChunk, Stage
 
 ROOT = Path(__file__).resolve().parents[1]
 # Pinned here, not read from docs/benchmarks/: a new H200 profile there must not silently move these bounds.
@@ -115,8 +114,8 @@ def test_listener_drops_leading_silence_and_counts_late_packets_as_underruns():
     x = Listener(one())
 
     def packet(t, first, frames):
-        x.packet(t, Emit(1, "audio", pcm=np.zeros(frames * 1920, np.float32), codes=np.zeros((frames, 16)),
-                         first_frame=first), silent_frames=2)
+        x.packet(t, AudioChunk(pcm=np.zeros(frames * 1920, np.float32), start_sample=0, segment=0, first_frame=first,
+                               codes=np.zeros((frames, 16)), cid=1), silent_frames=2)
 
     packet(0.010, 0, 1)  # silent: dropped, not the start of playback
     packet(0.020, 1, 1)  # silent

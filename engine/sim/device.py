@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.request import Stage, StagePlan, StageResult
 from engine.sim.profile import StageProfile
+from engine.types import Stage, StagePlan, StageResult
 
 SAMPLES_PER_FRAME = 1920
 AUDIBLE_LEVEL = 0.1  # -23 dBFS peak: a sine this loud is audible by any onset rule

@@ -15,7 +15,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.request import Stage
+from engine.types import Stage
 
 DEFAULT_PROFILE = Path(__file__).resolve().parents[2] / "docs/benchmarks/h200/stages_1p7b_after.json"
 

@@ -21,12 +21,13 @@ from engine.model.config import ModelConfig
 from engine.model.presets import model_config
 from engine.model.prompt import resolve_voice
 from engine.model.sampling_params import SamplingParams
-from engine.request import FRAME_S, Stage
-from engine.scheduler import AdmissionRefused, ContextSetup, Emit, Scheduler
+from engine.request import FRAME_S
+from engine.scheduler import AdmissionRefused, ContextSetup, Scheduler
 from engine.sim.device import Events, SimClock, SimRunner
 from engine.sim.profile import StageProfile
 from engine.sim.workload import Arrival
 from engine.trace import Timeline
+from engine.types import AudioChunk, ContextDone, EngineEvent, Stage
 
 SAMPLE_RATE = 24000
 
@@ -47,7 +48,7 @@ class Listener:
     stall_s: float = 0.0
     done_at: float | None = None
 
-    def packet(self, t: float, e: Emit, silent_frames: int) -> None:
+    def packet(self, t: float, e: AudioChunk, silent_frames: int) -> None:
         seconds = len(e.pcm) / SAMPLE_RATE
         if self.first_packet_at is None:
             self.first_packet_at = t
@@ -141,9 +142,9 @@ class Simulation:
     # ------------------------------------------------------------------ clients
     def _call(self, fn, *args):
         out = fn(*args)
-        emits = self.scheduler.drain_outbox()
-        if emits:
-            self._deliver(emits)
+        events = self.scheduler.drain_outbox()
+        if events:
+            self._deliver(events)
         return out
 
     def _arrive(self, x: Listener, t: float) -> None:
@@ -177,13 +178,13 @@ class Simulation:
         self._call(self.scheduler.playback, x.cid, played_ms, state, buffered_ms, t)
         self.events.at(t + self.options.ack_interval_s, lambda ta: self._ack(x, ta))
 
-    def _deliver(self, emits: list[Emit]) -> None:
+    def _deliver(self, events: list[EngineEvent]) -> None:
         now = self.clock()
-        for e in emits:
+        for e in events:
             x = self.by_cid.get(e.cid)
             if x is None:
                 continue
-            if e.kind == "audio":
+            if isinstance(e, AudioChunk):
                 was_playing = x.first_audible_at is not None
                 x.packet(now, e, x.arrival.silent_frames)
                 if not was_playing and x.first_audible_at is not None:
@@ -191,7 +192,7 @@ class Simulation:
                     self.scheduler.mark_audible(e.cid, e.segment, now)
                     if self.options.ack_interval_s > 0:
                         self.events.at(now + self.options.ack_interval_s, lambda ta, x=x: self._ack(x, ta))
-            elif e.kind == "context_done":
+            elif isinstance(e, ContextDone):
                 x.done_at = now
 
     def _sleep(self, seconds: float) -> None:

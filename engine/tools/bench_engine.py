@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
-from engine.api import AudioChunk, ContextDone, ContextSpec
+from engine.api import ContextSpec
 from engine.config import EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.model.sampling_params import SamplingParams
 from engine.model_source import load_model, resolve_dtype
+from engine.types import AudioChunk, ContextDone
 
 
 async def stream(engine: Engine, frames: int, seed: int) -> dict:
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
                                                  max_waiting_first_audio=max(args.streams)),
                        max_frames=args.frames, max_prompt_tokens=64, cuda_graphs=args.cuda_graphs)
     engine = Engine(loaded, cfg)
-    print(f"warm-up {engine.warmup():.1f} s; graphs: {engine.readiness()['cuda_graphs']}")
+    print(f"warm-up {engine.warmup():.1f} s; graphs: {engine.readiness().cuda_graphs.to_json()}")
     engine.start()
     results = {}
     try:

@@ -197,8 +197,8 @@ def greedy_codes(loaded, batch: int, frames: int, graphs: str) -> torch.Tensor:
     from engine.config import EngineConfig, SchedulerConfig
     from engine.model.prompt import build_prompt, resolve_voice
     from engine.model.sampling_params import SamplingParams
-    from engine.request import RowPlan, Stage, StagePlan
     from engine.runner import Runner
+    from engine.types import RowPlan, Stage, StagePlan
 
     cfg = EngineConfig(scheduler=SchedulerConfig(max_slots=batch), max_frames=frames + 1, max_prompt_tokens=64,
                        cuda_graphs=graphs)

@@ -26,8 +26,8 @@ from engine.graphs import GraphCaptureError
 from engine.model.prompt import build_prompt, resolve_voice
 from engine.model.sampling_params import SamplingParams
 from engine.model_source import load_model as load
-from engine.request import RowPlan, Stage, StagePlan
 from engine.runner import Runner
+from engine.types import RowPlan, Stage, StagePlan
 
 
 @contextlib.contextmanager

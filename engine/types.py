@@ -1,0 +1,219 @@
+"""The engine's step contracts: what crosses each edge inside the engine, and what leaves it. Plain Python: no torch.
+
+One utterance's path, and who produces and who consumes each type:
+
+    Scheduler.plan            -> StagePlan (one Stage, a RowPlan per request in the batch)
+    Runner.launch(StagePlan)  -> Pending (engine/runner.py): the step queued on the device, its StepOutputs (device
+                                 tensors, copied to the host without waiting) per group of rows
+    Runner.collect(Pending)   -> StageResult: the StepOutputs of every row, merged and read on the host, one
+                                 iteration after the launch (engine/core.py runs plan -> launch -> collect the
+                                 step before -> update)
+    Scheduler.update(StageResult) -> the events, in order: AudioChunk per codec chunk, SegmentDone per segment
+                                 (flush), ContextDone once at the end (Scheduler.cancel / fail / end_segment emit
+                                 theirs through Scheduler.drain_outbox). Each carries the engine context id `cid`.
+    Engine._deliver(events)   -> each context's asyncio queue; Context.events() (engine/engine.py) yields them to
+                                 the server unchanged, ending with ContextDone.
+
+Beside the data path, what the server reads about the engine: Scheduler.stats() -> SchedulerStats, which
+Engine.stats() extends into EngineStats with the loop's StageStats (/metrics, the test-state hook), and
+Engine.readiness() -> Readiness with a FastPath per fast path (/ready). Their `to_json()` is the JSON the server
+writes, key for key.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:  # annotations only: the scheduler and the loop import this module without torch
+    import numpy as np
+    from torch import Tensor
+
+    from engine.model.prompt import Prompt
+    from engine.model.sampling_params import SamplingParams
+
+
+class Stage(str, enum.Enum):
+    PREFILL = "prefill"
+    CODE_PREDICTOR = "code_predictor"
+    TALKER = "talker"
+    CODEC = "codec"
+
+
+# ---------------------------------------------------------------------------------------------- plans (scheduler)
+@dataclass(frozen=True)
+class RowPlan:
+    """One request's row in a step, as the scheduler planned it (its progress counters already advanced)."""
+
+    rid: int  # request (segment) id: the StageResult row is matched back to the request by it
+    cid: int  # context (the test-only fault hook is keyed by it)
+    slot: int  # cache row on the device
+    frame: int  # PREFILL 0; CODE_PREDICTOR s (makes frame s); TALKER s (reads frame s, samples c0[s+1]); CODEC first
+    prompt: Prompt | None = None  # PREFILL
+    sampling: SamplingParams | None = None  # PREFILL: loaded into the slot's device state
+    text_id: int | None = None  # TALKER: text-track id of this step
+    eos_allowed: bool = True  # PREFILL / TALKER: may the code-0 sampled now be EOS
+    chunk: int = 0  # CODEC: frames decoded
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One engine step: one stage over a batch of rows (all CODEC rows decode the same number of frames)."""
+
+    stage: Stage
+    rows: list[RowPlan]
+
+
+# ---------------------------------------------------------------------------------------------- runner outputs
+@dataclass
+class StepOutputs:
+    """What one stage function returns for a batch of rows, first on the device, then (launch) on the host side.
+    A field the stage does not produce stays None."""
+
+    eos: Tensor | None = None  # PREFILL / TALKER: bool [B], the sampled code 0 is EOS
+    bad: Tensor | None = None  # PREFILL / TALKER: bool [B], the logits held a non-finite value
+    pcm: Tensor | None = None  # CODEC: float32 [B, chunk * 1920]
+    codes: Tensor | None = None  # CODEC: int64 [B, chunk, 16], the codes the audio was decoded from
+
+
+# ---------------------------------------------------------------------------------------------- step results
+@dataclass
+class StageResult:
+    """A collected step, per row of its plan (rows in plan order), read by Scheduler.update."""
+
+    stage: Stage
+    rids: list[int]  # the plan's rows
+    elapsed_s: float  # the step's own device time (the cost model learns from it)
+    eos: list[bool] | None = None  # PREFILL / TALKER: the sampled code 0 was EOS
+    failed: list[str | None] | None = None  # per row: why it failed (NaN logits, exception), else None
+    pcm: list[np.ndarray | None] | None = None  # CODEC: per row float32 [chunk * 1920] (None: the row failed)
+    codes: list[np.ndarray | None] | None = None  # CODEC: per row int64 [chunk, 16]
+
+
+# ---------------------------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class AudioChunk:
+    """Audio of one codec chunk of one segment."""
+
+    pcm: np.ndarray  # float32 [n] at SAMPLE_RATE, n = frames * SAMPLES_PER_FRAME
+    start_sample: int  # offset on the context's timeline (all segments back to back)
+    segment: int  # 0, 1, ...
+    first_frame: int  # frame index within the segment of pcm[0]
+    codes: np.ndarray  # int64 [frames, 16]: the codes this audio was decoded from
+    cid: int = 0  # engine context id (1, 2, ...): which Context's queue the event goes to
+
+
+@dataclass(frozen=True)
+class SegmentDone:
+    """A segment's last audio has been emitted."""
+
+    segment: int
+    reason: str  # "completed" (EOS or bench length), "max_frames"
+    frames: int  # frames the segment had
+    end_sample: int  # context timeline position after this segment's last sample
+    cid: int = 0  # engine context id
+
+
+@dataclass(frozen=True)
+class ContextDone:
+    """The context's last event: nothing follows it."""
+
+    reason: str  # "completed", "max_frames", "cancelled", "error"
+    audio_samples: int  # context timeline length: every sample emitted, all segments
+    error_code: str | None = None  # with reason "error": the protocol code (synthesis_failed, internal)
+    error_message: str | None = None
+    cid: int = 0  # engine context id
+
+
+EngineEvent = AudioChunk | SegmentDone | ContextDone
+
+
+# ---------------------------------------------------------------------------------------------- stats
+@dataclass
+class StageStats:
+    """Cumulative counters of one stage (the loop's, engine/core.py), and a step-time histogram, for /metrics."""
+
+    BUCKETS_S: ClassVar[tuple[float, ...]] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0,
+                                              float("inf"))
+
+    steps: int = 0
+    rows: int = 0  # rows / steps = mean batch size
+    seconds: float = 0.0  # device time, all steps
+    last_batch: int = 0  # rows of the last step
+    histogram: list[int] = field(default_factory=lambda: [0] * len(StageStats.BUCKETS_S))  # steps per bucket
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.steps += 1
+        self.rows += rows
+        self.seconds += seconds
+        self.last_batch = rows
+        self.histogram[next(i for i, b in enumerate(self.BUCKETS_S) if seconds <= b)] += 1
+
+    def snapshot(self) -> StageStats:
+        return StageStats(self.steps, self.rows, self.seconds, self.last_batch, list(self.histogram))
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler's counts now (Scheduler.stats)."""
+
+    contexts: int  # open in the scheduler
+    requests: int  # live segments (queued or generating)
+    free_slots: int  # cache rows no context holds
+    waiting_first_audio: int  # active segments with text and no audio yet
+    text_starved: int  # generating segments waiting for more text
+    queue_depth: dict[str, int]  # stage name -> active segments runnable at it now
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class EngineStats(SchedulerStats):
+    """Engine.stats(): the scheduler's counts, then the loop's and the engine's (the JSON keeps this order)."""
+
+    stages: dict[str, StageStats]  # stage name -> counters, for the stages that have run
+    kv_cache_bytes: int
+    open_contexts: int  # Context objects whose ContextDone has not been delivered
+
+
+# ---------------------------------------------------------------------------------------------- readiness
+@dataclass(frozen=True)
+class FastPath:
+    """Whether one fast path is in use, and why not where it is not. The fields after `reason` describe captured
+    CUDA graphs; to_json() leaves out the fields that are None."""
+
+    enabled: bool
+    reason: str | None = None  # why it is off (or how it runs instead)
+    mode: str | None = None  # "cuda" (captured) or "emulate" (bucketed padding, no capture)
+    graphs: int | None = None  # graphs captured
+    capture_s: float | None = None
+    batch_buckets: list[int] | None = None
+    attention_buckets: list[int] | None = None
+    codec_chunks: list[int] | None = None
+    prefill_batches: list[int] | None = None
+    prefill_lengths: list[int] | None = None
+    prefill_eager_above: int | None = None  # prompts longer than this prefill eagerly
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """Engine.readiness(): what /ready reports about the engine."""
+
+    model_loaded: bool
+    warmed_up: bool  # warmup() ran: graphs captured, every stage run once
+    engine_running: bool  # False once the loop thread has died
+    device: str
+    dtype: str  # "bfloat16", "float32", ...
+    cuda_graphs: FastPath
+    triton_attention: FastPath
+    random_weights: bool
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["cuda_graphs"], out["triton_attention"] = self.cuda_graphs.to_json(), self.triton_attention.to_json()
+        return out
