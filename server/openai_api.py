@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from engine import SAMPLE_RATE, AudioChunk, ContextDone, ContextSpec, EngineError, Overloaded, SegmentDone
-from server.audio.stream import HttpAudioStream
+from engine import SAMPLE_RATE, ContextDone, EngineError, Overloaded
+from server.audio.containers import AudioFile, open_audio_file
+from server.audio.stream import AudioStream
 from server.audio.wav import wav_header
 from server.auth import bearer_token
 from server.logs import context_logger, current_trace
@@ -40,17 +39,14 @@ from server.protocol import (
     parse_json_object,
 )
 from server.runtime import Runtime
+from server.stream import ContextStream
 from server.textpipe import bench_frames, encode_segments, estimated_frames
-
-if TYPE_CHECKING:
-    from engine import EngineContext
 
 log = logging.getLogger("voicelane.http")
 RESPONSE_FORMATS = ("mp3", "pcm", "wav", "opus")
 STREAM_FORMATS = ("audio", "sse")
 TOP_LEVEL_SAMPLING = (*SAMPLING_FIELDS, "subtalker")
 RETRY_AFTER_S = "1"
-ENGINE_CHECK_S = 2.0
 BACKLOG_CHECK_S = 0.2
 
 
@@ -202,18 +198,15 @@ async def speech(request: Request) -> Response:
                 raise ProtocolError("invalid_field", "instructions are not supported by this model (0.6B)",
                                     "instructions")
             instruction_ids = rt.tokenizer.encode("user\n" + req.options.instructions)
-        trace_id = uuid.uuid4().hex
-        spec = ContextSpec(voice=req.options.voice, language=req.options.language, instruction_ids=instruction_ids,
-                           text_layout=req.options.text_layout, sampling=req.options.sampling, trace_id=trace_id,
-                           reports_onset=True)
         try:
-            audio = HttpAudioStream(req.response_format, opus_complexity=rt.config.opus_complexity)
+            file = open_audio_file(req.response_format, opus_complexity=rt.config.opus_complexity)
         except RuntimeError as exc:
             raise ProtocolError("unsupported_format", str(exc), "response_format") from None
         fault = obj.get("test_fault") if rt.config.test_hooks else None
-        ectx = rt.engine.open_context(spec)
+        stream = ContextStream.open(rt.engine, req.options, instruction_ids,
+                                    AudioStream(file.output, segment_flush=False), rt.executor)
         if isinstance(fault, dict) and fault.get("kind") in ("exception", "nan"):  # test hook
-            ectx.inject_fault(fault["kind"], int(fault.get("at_frame") or 0))
+            stream.ectx.inject_fault(fault["kind"], int(fault.get("at_frame") or 0))
     except ProtocolError as exc:
         rt.metrics.errors.inc("http", exc.code)
         if exc.code in ("overloaded", "text_too_long"):
@@ -226,21 +219,16 @@ async def speech(request: Request) -> Response:
             rt.metrics.rejections.inc("http", "overloaded")
         return error_response(code, str(exc), exc.param)
     try:
-        for i, (ids, words) in enumerate(segments):
-            ectx.append_text(ids)
-            if i < len(segments) - 1:
-                ectx.flush(words)
-            else:
-                ectx.close(words)
+        stream.add_segments(segments)
     except EngineError as exc:  # e.g. whole-layout text longer than the prompt may be
-        ectx.cancel()
+        stream.cancel()
         rt.metrics.errors.inc("http", exc.code)
         return error_response(exc.code if exc.code in ERRORS else "internal", str(exc), exc.param)
-    clog = context_logger(trace_id)
-    clog.info("speech request: %d characters, %d tokens in %d segment(s), voice %s, %s%s, seed %d", len(req.text),
-              n_tokens, len(segments), req.options.voice, req.response_format,
-              " (sse)" if req.stream_format == "sse" else "", req.options.sampling.seed)
-    return SpeechStream(rt, req, ectx, audio, trace_id, n_tokens, t0)
+    context_logger(stream.trace_id).info(
+        "speech request: %d characters, %d tokens in %d segment(s), voice %s, %s%s, seed %d", len(req.text), n_tokens,
+        len(segments), req.options.voice, req.response_format, " (sse)" if req.stream_format == "sse" else "",
+        req.options.sampling.seed)
+    return SpeechStream(rt, req, stream, file, n_tokens, t0)
 
 
 async def _no_receive():
@@ -258,13 +246,12 @@ class SpeechStream(Response):
     """The response body, made as the engine produces audio; the engine context is cancelled if the client
     leaves or anything fails."""
 
-    def __init__(self, rt: Runtime, req: SpeechRequest, ectx: EngineContext, audio: HttpAudioStream,
-                 trace_id: str, n_tokens: int, t0: float):
-        self.rt, self.req, self.ectx, self.audio, self.trace_id = rt, req, ectx, audio, trace_id
-        self.n_tokens, self.t0 = n_tokens, t0
-        self.log = context_logger(trace_id)
-        self.frames = 0
-        self.codes = hashlib.sha256()
+    def __init__(self, rt: Runtime, req: SpeechRequest, stream: ContextStream, file: AudioFile, n_tokens: int,
+                 t0: float):
+        self.rt, self.req, self.stream, self.file, self.n_tokens, self.t0 = rt, req, stream, file, n_tokens, t0
+        self.ectx, self.audio, self.trace_id = stream.ectx, stream.audio, stream.trace_id
+        self.codes = stream.codes
+        self.log = context_logger(self.trace_id)
         self.first_sent = False
         self.started = False  # response headers sent
         self.reason = "cancelled"
@@ -319,7 +306,7 @@ class SpeechStream(Response):
             rt.metrics.active_contexts.dec("http")
             rt.metrics.contexts.inc("http", self.reason)
             self.log.info("speech request ended: %s, %d frames, %.0f ms of audio in %.0f ms", self.reason,
-                          self.frames, self.audio.audio_ms, (time.monotonic() - self.t0) * 1000)
+                          self.frames, self.audio.encoded_ms, (time.monotonic() - self.t0) * 1000)
 
     async def _end_drained(self, send) -> None:
         """The drain deadline cut this request: a response not yet begun is a retryable 503; one under way ends
@@ -346,7 +333,7 @@ class SpeechStream(Response):
                 "usage": {"input_tokens": self.n_tokens, "output_tokens": self.frames,
                           "total_tokens": self.n_tokens + self.frames},
                 "reason": self.reason, "seed": self.req.options.sampling.seed, "frames": self.frames,
-                "audio_ms": round(self.audio.audio_ms, 3), "codes_sha256": self.codes.hexdigest()}
+                "audio_ms": round(self.audio.encoded_ms, 3), "codes_sha256": self.codes.hexdigest()}
 
     def _headers(self, content_type: str) -> list[tuple[bytes, bytes]]:
         h = {"content-type": content_type, "cache-control": "no-store", "x-seed": str(self.req.options.sampling.seed),
@@ -355,47 +342,23 @@ class SpeechStream(Response):
             h["x-sample-rate"] = "24000"
         return [(k.encode(), v.encode()) for k, v in h.items()]
 
-    async def _engine_events(self):
-        """The context's engine events; raises if the engine stops while we wait (never hangs the client)."""
-        it = self.ectx.events().__aiter__()
-        while True:
-            task = asyncio.ensure_future(it.__anext__())
-            try:
-                while True:
-                    done, _ = await asyncio.wait({task}, timeout=ENGINE_CHECK_S)
-                    if done:
-                        break
-                    if not self.rt.engine_running():
-                        raise RuntimeError("the engine stopped")
-            finally:
-                if not task.done():
-                    task.cancel()
-            try:
-                yield task.result()
-            except StopAsyncIteration:
-                return
+    @property
+    def frames(self) -> int:
+        return self.stream.frames
 
     async def _events(self):
-        loop = asyncio.get_running_loop()
-        pool = self.rt.executor
-        async for ev in self._engine_events():
-            if isinstance(ev, AudioChunk):
-                self.frames += int(ev.codes.shape[0])
-                self.codes.update(ev.codes.astype("<i8", copy=False).tobytes())
-                body = await loop.run_in_executor(pool, self.audio.process, ev.pcm)
-                if self.audio.trimmer.passing:  # the onset: the segment's first-audio priority ends
-                    self.ectx.mark_audible(ev.segment)
-                yield body, None
-            elif isinstance(ev, SegmentDone):
-                if ev.reason == "max_frames":  # a segment cut short: the response says so even if later ones end
-                    self.segment_cut = True
-                yield await loop.run_in_executor(pool, self.audio.end_segment), None
-            elif isinstance(ev, ContextDone):
-                if ev.reason == "error":
-                    yield b"", ev
+        """(body bytes, the engine's ContextDone or None) as the stream makes audio."""
+        async for ev in self.stream.events(engine_running=self.rt.engine_running):
+            if ev.done is not None:
+                if ev.done.reason == "error":
+                    yield b"", ev.done
                     return
-                yield await loop.run_in_executor(pool, self.audio.finish), ev
+                tail = self.file.body(await self.stream.end_open_segment())
+                yield tail + self.file.end(await self.stream.close_audio()), ev.done
                 return
+            if ev.segment_done is not None and ev.segment_done.reason == "max_frames":
+                self.segment_cut = True  # a segment cut short: the response says so even if later ones end
+            yield self.file.body(ev.packets), None
 
     def _finish_reason(self, done: ContextDone | None) -> str:
         reason = done.reason if done is not None else "completed"
@@ -416,7 +379,7 @@ class SpeechStream(Response):
             return await self._whole(send)
         sse = self.req.stream_format == "sse"
         events = self._events()
-        pending = self.audio.header()
+        pending = self.file.header()
         self.started = started = False
         done_ev: ContextDone | None = None
         async for data, ev in events:
@@ -440,7 +403,7 @@ class SpeechStream(Response):
             pending = b""
             if not started:
                 self.started = started = True
-                content_type = "text/event-stream" if sse else self.audio.content_type
+                content_type = "text/event-stream" if sse else self.file.content_type
                 await send({"type": "http.response.start", "status": 200, "headers": self._headers(content_type)})
             if data:
                 self._note_audio(data)
@@ -448,17 +411,17 @@ class SpeechStream(Response):
                         "\n\n").encode() if sse else data
                 await send({"type": "http.response.body", "body": body, "more_body": True})
         self.reason = self._finish_reason(done_ev)
-        self.rt.metrics.audio_seconds.inc("http", amount=self.audio.audio_ms / 1000.0)
+        self.rt.metrics.audio_seconds.inc("http", amount=self.audio.encoded_ms / 1000.0)
         tail = b""
         if sse:
             tail = f"data: {json.dumps(self._sse_done())}\n\n".encode()
         if not started:
             await send({"type": "http.response.start", "status": 200, "headers": self._headers(
-                "text/event-stream" if sse else self.audio.content_type)})
+                "text/event-stream" if sse else self.file.content_type)})
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _whole(self, send) -> None:
-        head = self.audio.header()  # before any audio: Ogg writes its header pages first, once
+        head = self.file.header()  # before any audio: Ogg writes its header pages first, once
         parts: list[bytes] = []
         done_ev = None
         async for data, ev in self._events():
@@ -473,10 +436,10 @@ class SpeechStream(Response):
             body = wav_header(24000, num_samples=len(body) // 2) + body
         else:
             body = head + body
-        self.rt.metrics.audio_seconds.inc("http", amount=self.audio.audio_ms / 1000.0)
-        headers = self._headers(self.audio.content_type) + [
+        self.rt.metrics.audio_seconds.inc("http", amount=self.audio.encoded_ms / 1000.0)
+        headers = self._headers(self.file.content_type) + [
             (b"content-length", str(len(body)).encode()), (b"x-codes-sha256", self.codes.hexdigest().encode()),
-            (b"x-frames", str(self.frames).encode()), (b"x-audio-ms", f"{self.audio.audio_ms:.3f}".encode()),
+            (b"x-frames", str(self.frames).encode()), (b"x-audio-ms", f"{self.audio.encoded_ms:.3f}".encode()),
             (b"x-finish-reason", self.reason.encode())]
         if self.req.stream_format == "sse":
             body = (f"data: {json.dumps({'type': 'speech.audio.delta', 'audio': base64.b64encode(body).decode()})}"

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from typing import Any
 
-from engine import ContextSpec, EngineError, Overloaded
-from server.audio.stream import WsAudioStream
+from engine import EngineError, Overloaded
+from server.audio.encoders import OpusOutput, PcmOutput
+from server.audio.stream import AudioStream
 from server.options import ContextOptions, resolve_context_options
 from server.protocol import (
     CLOSE_NORMAL,
@@ -30,7 +30,7 @@ from server.protocol import (
     ws_error,
     ws_warning,
 )
-from server.textpipe import TextPipeline
+from server.stream import ContextStream
 from server.ws_context import WsContext
 
 log = logging.getLogger("voicelane.gateway")
@@ -166,17 +166,13 @@ class MessageHandlers:
             instruction_ids = rt.tokenizer.encode("user\n" + opts.instructions)
         fmt = opts.output_format
         try:
-            audio = WsAudioStream(fmt.encoding, fmt.sample_rate if not fmt.is_opus else 24000, bitrate=fmt.bitrate,
-                                  opus_complexity=rt.config.opus_complexity)
+            output = OpusOutput(fmt.bitrate, complexity=rt.config.opus_complexity) if fmt.is_opus else \
+                PcmOutput(fmt.encoding, fmt.sample_rate)
         except RuntimeError as exc:  # codec library missing
             raise ProtocolError("unsupported_format", str(exc), "output_format") from None
-        trace_id = uuid.uuid4().hex
-        spec = ContextSpec(voice=opts.voice, language=opts.language, instruction_ids=instruction_ids,
-                           text_layout=opts.text_layout, sampling=opts.sampling, trace_id=trace_id,
-                           reports_onset=True)
-        ectx = rt.engine.open_context(spec)  # InvalidRequest / Overloaded
-        ctx = WsContext(self, cid, opts, ectx, next(self._stream_ids) & 0xFFFFFFFF, trace_id,
-                        TextPipeline(rt.tokenizer, opts.text_normalization), audio)
+        stream = ContextStream.open(rt.engine, opts, instruction_ids, AudioStream(output, segment_flush=True),
+                                    rt.executor, rt.tokenizer)  # InvalidRequest / Overloaded
+        ctx = WsContext(self, cid, opts, stream, next(self._stream_ids) & 0xFFFFFFFF)
         self.contexts[cid] = ctx
         self.ended_ids.pop(cid, None)
         rt.metrics.active_contexts.inc("ws")

@@ -11,7 +11,7 @@ import pytest
 
 from engine.model.sampling_params import SamplingParams
 from engine.text.tokenizer import TextTokenizer
-from server.audio.stream import HttpAudioStream, WsAudioStream
+from server.audio import AudioStream, OpusOutput, PcmOutput, open_audio_file
 from server.auth import KeyChecker, OriginPolicy, query_token, subprotocol_token
 from server.config import Secret, ServerConfig
 from server.options import (
@@ -114,7 +114,7 @@ def chunks(x: np.ndarray, n: int = 1920):
 
 
 def test_leading_silence_trimmed_at_every_segment_start():
-    stream = WsAudioStream("pcm_s16le", 24000)
+    stream = AudioStream(PcmOutput("pcm_s16le", 24000), segment_flush=True)
     packets = []
     for seg in (silence_then_tone(0.3, 0.5), silence_then_tone(0.2, 0.4)):
         for c in chunks(seg):
@@ -136,7 +136,7 @@ def test_leading_silence_trimmed_at_every_segment_start():
 
 
 def test_tone_from_the_start_is_never_trimmed_and_silence_only_segment_is_dropped():
-    stream = WsAudioStream("pcm_s16le", 24000)
+    stream = AudioStream(PcmOutput("pcm_s16le", 24000), segment_flush=True)
     tone = silence_then_tone(0.0, 0.2)
     kept = b"".join(p.payload for c in chunks(tone) for p in stream.process(c))
     kept += b"".join(p.payload for p in stream.end_segment())
@@ -147,7 +147,7 @@ def test_tone_from_the_start_is_never_trimmed_and_silence_only_segment_is_droppe
 
 
 def test_opus_stream_with_trimming_decodes_to_the_kept_audio():
-    stream = WsAudioStream("opus", 24000)
+    stream = AudioStream(OpusOutput(), segment_flush=True)
     assert stream.pre_skip == 312 and stream.clock_rate == 48000
     packets = [p for c in chunks(silence_then_tone(0.25, 0.3)) for p in stream.process(c)]
     packets += stream.end_segment() + stream.close()
@@ -160,8 +160,10 @@ def test_opus_stream_with_trimming_decodes_to_the_kept_audio():
 
 
 def test_http_stream_trims_too():
-    s = HttpAudioStream("pcm")
-    body = b"".join(s.process(c) for c in chunks(silence_then_tone(0.5, 0.2))) + s.end_segment() + s.finish()
+    file = open_audio_file("pcm")
+    s = AudioStream(file.output, segment_flush=False)
+    body = b"".join(file.body(s.process(c)) for c in chunks(silence_then_tone(0.5, 0.2)))
+    body += file.body(s.end_segment()) + file.end(s.close())
     assert len(body) // 2 == pytest.approx(0.22 * SR, abs=48)
 
 
