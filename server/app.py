@@ -20,10 +20,10 @@ from starlette.staticfiles import StaticFiles
 
 from server import openai_api
 from server.auth import bearer_token
-from server.gateway import websocket_endpoint
 from server.metrics import CONTENT_TYPE
 from server.openai_api import error_response
 from server.runtime import Runtime
+from server.ws.session import websocket_endpoint
 
 log = logging.getLogger("voicelane.http")
 _ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,6 @@
-"""One context of a WebSocket session: its text pipeline, its engine context, and the pump task that turns engine
-events into audio packets, `flushed`, and the context's single end message.
+"""One context of a WebSocket session: its stream (server.stream.ContextStream) and the pump task that lays the
+stream's packets out as binary frames or JSON `audio` messages, answers `flush` with `flushed`, and sends the
+context's single end message. All it holds of its session is the outbox (server.ws.outbox.Outbox).
 
 Per context the order is `context.created` < audio < `flushed`* < one of `context.done` / `context.cancelled`
 (docs/protocol.md 1.2): everything goes through the session's one FIFO, the pump handles engine events in order,
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -20,24 +20,21 @@ from server.audio.encoders import AudioPacket
 from server.audio.frames import pack_frame
 from server.logs import context_logger, current_trace
 from server.options import ContextOptions
-from server.outqueue import OutItem
 from server.protocol import ws_error
 from server.stream import ContextStream
+from server.ws.outbox import Outbox, OutItem, dumps
 
 if TYPE_CHECKING:
-    from server.session_contract import WsSession
+    from server.metrics import ServerMetrics
 
 MODEL_RATE = 24000
 
 
-def dumps(msg: dict) -> str:
-    return json.dumps(msg, ensure_ascii=False, separators=(",", ":"))
-
-
 class WsContext:
-    def __init__(self, session: WsSession, context_id: str, options: ContextOptions, stream: ContextStream,
-                 stream_id: int):
-        self.session, self.id, self.opts, self.stream, self.stream_id = session, context_id, options, stream, stream_id
+    def __init__(self, out: Outbox, metrics: ServerMetrics, context_id: str, options: ContextOptions,
+                 stream: ContextStream, stream_id: int):
+        self.out, self.metrics, self.id, self.opts, self.stream = out, metrics, context_id, options, stream
+        self.stream_id = stream_id
         self.ectx, self.audio, self.trace_id = stream.ectx, stream.audio, stream.trace_id
         self.log = context_logger(self.trace_id)
         self.created_at = time.monotonic()
@@ -101,13 +98,13 @@ class WsContext:
                                    "audio_end_ms": round(self.segment_end_ms.get(seg, 0.0), 3)}
             if eid is not None:
                 msg["event_id"] = eid
-            self.session.out.put(OutItem(dumps(msg), owner=self, purgeable=True))
+            self.out.put(OutItem(dumps(msg), owner=self, purgeable=True))
 
     def report_playback(self, played_ms: float, state: str, buffered_ms: float | None = None) -> None:
         """The client's listener timeline -> the engine's context timeline (which counts trimmed silence and not
         Opus flush padding): shift by their current difference."""
         if state == "underrun" and self.playback_state != "underrun":
-            self.session.runtime.metrics.underruns.inc()
+            self.metrics.underruns.inc()
         self.playback_state = state
         self.played_ms = played_ms
         self.ectx.report_playback(max(0.0, played_ms + self.audio.engine_offset_ms), state, buffered_ms)
@@ -154,8 +151,8 @@ class WsContext:
         self.ectx.cancel()
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()
-        self.session.send(ws_error("internal", message, context_id=self.id))
-        self._end_message("error")
+        self.out.send(ws_error("internal", message, context_id=self.id))
+        self.end("error")
 
     def _send_packets(self, packets: list[AudioPacket], last: bool = False) -> None:
         if not packets and last and self.seq > 0 and not self.last_sent:
@@ -174,17 +171,17 @@ class WsContext:
                                   segment_start=p.segment_start)
             end_ms = max(0.0, (p.start_sample + p.samples - self.audio.pre_skip) * 1000.0 / self.audio.clock_rate)
             audio_s = p.samples / self.audio.clock_rate
-            self.session.out.put(OutItem(data, owner=self, audio_s=audio_s, purgeable=True,
+            self.out.put(OutItem(data, owner=self, audio_s=audio_s, purgeable=True,
                                          on_sent=lambda e=end_ms, s=audio_s: self._on_audio_sent(e, s)))
             self.seq += 1
             self.next_start = p.start_sample + p.samples
             if is_last:
                 self.last_sent = True
-        self.session.check_unsent()
+        self.out.check_unsent()
 
     def _on_audio_sent(self, end_ms: float, audio_s: float) -> None:
         self.sent_end_ms = max(self.sent_end_ms, end_ms)
-        metrics = self.session.runtime.metrics
+        metrics = self.metrics
         metrics.audio_seconds.inc("ws", amount=audio_s)
         if self.first_audio_sent_at is None and audio_s > 0:
             self.first_audio_sent_at = time.monotonic()
@@ -196,16 +193,17 @@ class WsContext:
         reason = "timeout" if self.timeout_requested else ev.reason
         if reason == "error":
             code = ev.error_code or "synthesis_failed"
-            self.session.send(ws_error(code if code in ("synthesis_failed", "internal") else "synthesis_failed",
+            self.out.send(ws_error(code if code in ("synthesis_failed", "internal") else "synthesis_failed",
                                        f"synthesis failed: {ev.error_message or 'model error'}", context_id=self.id))
         if not self.last_sent:
             packets = await self.stream.close_audio()
             if self.cancelled:
                 return
             self._send_packets(packets, last=True)
-        self._end_message(reason)
+        self.end(reason)
 
-    def _end_message(self, reason: str) -> None:
+    def end(self, reason: str) -> None:
+        """Queue the context's end message, `context.done` with `reason` (once)."""
         if self.ended:
             return
         self.ended = True
@@ -224,8 +222,8 @@ class WsContext:
                 msg["event_id"] = self.close_event_id
             return dumps(msg)
 
-        self.session.out.put(OutItem(render=render, owner=self))
-        self.session.context_ended(self, reason)
+        self.out.put(OutItem(render=render, owner=self))
+        self.out.context_ended(self, reason)
 
     def cancel(self, played_ms: float | None, event_id: Any) -> None:
         """Barge-in: stop now, drop queued text and unsent audio, answer context.cancelled."""
@@ -234,7 +232,7 @@ class WsContext:
         self.stream.cancel()
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()
-        self.session.out.purge(self)
+        self.out.purge(self)
         self.flushes.clear()
         if played_ms is None:
             played_ms = self.played_ms
@@ -247,8 +245,8 @@ class WsContext:
                "sent_ms": round(self.sent_end_ms, 3), "played_ms": round(played_ms, 3)}
         if event_id is not None:
             msg["event_id"] = event_id
-        self.session.out.put(OutItem(dumps(msg), owner=self))
-        self.session.context_ended(self, "cancelled")
+        self.out.put(OutItem(dumps(msg), owner=self))
+        self.out.context_ended(self, "cancelled")
 
     def abandon(self) -> None:
         """The session is going away: stop the engine work, send nothing."""
