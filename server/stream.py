@@ -21,7 +21,7 @@ from engine import AudioChunk, ContextDone, ContextSpec, SegmentDone
 from server.audio.encoders import AudioPacket
 from server.audio.stream import AudioStream
 from server.options import ContextOptions
-from server.textpipe import TextPipeline
+from server.text import TextPipeline
 
 if TYPE_CHECKING:
     from engine import Engine, EngineContext, TextTokenizer

@@ -79,7 +79,7 @@ def test_slow_http_reader_is_cut_off():
     from engine.model.sampling_params import SamplingParams
     from server.audio import AudioStream, open_audio_file
     from server.config import Limits, ServerConfig
-    from server.openai_api import SpeechRequest, SpeechStream
+    from server.http.openai_api import SpeechRequest, SpeechStream
     from server.runtime import Runtime
     from server.stream import ContextStream
 

@@ -23,7 +23,7 @@ from server.options import (
     validate_sampling,
 )
 from server.protocol import ProtocolError
-from server.textpipe import TextPipeline, encode_whole
+from server.text import TextPipeline, encode_whole
 
 SR = 24000
 

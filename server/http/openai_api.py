@@ -14,7 +14,6 @@ import base64
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +39,7 @@ from server.protocol import (
 )
 from server.runtime import Runtime
 from server.stream import ContextStream
-from server.textpipe import bench_frames, encode_segments, estimated_frames
+from server.text import encode_segments, segment_rule
 
 log = logging.getLogger("voicelane.http")
 RESPONSE_FORMATS = ("mp3", "pcm", "wav", "opus")
@@ -48,16 +47,6 @@ STREAM_FORMATS = ("audio", "sse")
 TOP_LEVEL_SAMPLING = (*SAMPLING_FIELDS, "subtalker")
 RETRY_AFTER_S = "1"
 BACKLOG_CHECK_S = 0.2
-
-
-def segment_rule(max_frames: int, bench_frames_per_word: int) -> tuple[int, Callable[[str], int]]:
-    """Frames of text per segment and how to count them, so that long input is spoken whole (each segment has
-    its own max_frames): half the frames a segment may make by a generous guess, with room for slow speech; in
-    the benchmark length mode a segment's frames are exact (N per word), so the whole budget is usable and text
-    that fits one segment is one segment, as on the WebSocket door."""
-    if bench_frames_per_word:
-        return max(bench_frames_per_word, max_frames), bench_frames(bench_frames_per_word)
-    return max(8, max_frames // 2), estimated_frames
 
 
 def error_response(code: str, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
