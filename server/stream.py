@@ -107,32 +107,24 @@ class ContextStream:
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    async def _engine_events(self, engine_running: Callable[[], bool] | None):
-        """The engine context's events; with `engine_running`, raises if the engine stops while we wait (so a
-        dead engine never hangs the client)."""
-        if engine_running is None:
-            async for ev in self.ectx.events():
-                yield ev
-            return
-        it = self.ectx.events().__aiter__()
+    async def _engine_events(self, engine_running: Callable[[], bool]):
+        """The engine context's events; raises if the engine stops while we wait (a dead engine never hangs a
+        client)."""
+        events = aiter(self.ectx.events())
         while True:
-            task = asyncio.ensure_future(it.__anext__())
+            task = asyncio.ensure_future(anext(events))
             try:
-                while True:
-                    done, _ = await asyncio.wait({task}, timeout=ENGINE_CHECK_S)
-                    if done:
-                        break
+                while not (await asyncio.wait({task}, timeout=ENGINE_CHECK_S))[0]:
                     if not engine_running():
                         raise RuntimeError("the engine stopped")
             finally:
-                if not task.done():
-                    task.cancel()
+                task.cancel()  # nothing when it is done; when we are cancelled, the wait for the engine ends too
             try:
                 yield task.result()
             except StopAsyncIteration:
                 return
 
-    async def events(self, engine_running: Callable[[], bool] | None = None) -> AsyncIterator[StreamEvent]:
+    async def events(self, engine_running: Callable[[], bool] = lambda: True) -> AsyncIterator[StreamEvent]:
         async for ev in self._engine_events(engine_running):
             if isinstance(ev, AudioChunk):
                 self.generated_samples += len(ev.pcm)

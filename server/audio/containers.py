@@ -31,10 +31,17 @@ class AudioFile:
     def end(self, packets: list[AudioPacket]) -> bytes:
         return self.body(packets)
 
+    def whole(self, header: bytes, body: bytes) -> bytes:
+        """The file in one piece: `header` (from header(), taken before any audio) and all the body bytes."""
+        return header + body
+
 
 class WavFile(AudioFile):
     def header(self) -> bytes:
         return wav_header(MODEL_RATE)
+
+    def whole(self, header: bytes, body: bytes) -> bytes:
+        return wav_header(MODEL_RATE, num_samples=len(body) // 2) + body  # exact sizes: the length is known
 
 
 class OggOpusFile(AudioFile):

@@ -16,7 +16,6 @@ object, in order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -33,20 +32,6 @@ class AudioPacket:
     start_sample: int  # on the output's clock_rate
     samples: int  # duration on the output's clock_rate
     segment_start: bool = False  # the first packet of a segment (the stream sets it, the encoders cannot know)
-
-
-class AudioOutput(Protocol):
-    clock_rate: int
-    pre_skip: int
-
-    def encode(self, x: np.ndarray) -> list[AudioPacket]: ...
-
-    def flush(self) -> list[AudioPacket]: ...
-
-    def close(self) -> list[AudioPacket]: ...
-
-    @property
-    def audio_end_ms(self) -> float: ...
 
 
 class _Closable:
@@ -153,3 +138,6 @@ class Mp3Output(_Closable):
     @property
     def audio_end_ms(self) -> float:
         return self._samples_in * 1000.0 / MODEL_RATE
+
+
+AudioOutput = PcmOutput | OpusOutput | Mp3Output

@@ -23,7 +23,6 @@ from starlette.responses import JSONResponse, Response
 from engine import SAMPLE_RATE, ContextDone, EngineError, Overloaded
 from server.audio.containers import AudioFile, open_audio_file
 from server.audio.stream import AudioStream
-from server.audio.wav import wav_header
 from server.auth import bearer_token
 from server.logs import context_logger, current_trace
 from server.options import SAMPLING_FIELDS, ContextOptions, resolve_context_options
@@ -47,6 +46,14 @@ STREAM_FORMATS = ("audio", "sse")
 TOP_LEVEL_SAMPLING = (*SAMPLING_FIELDS, "subtalker")
 RETRY_AFTER_S = "1"
 BACKLOG_CHECK_S = 0.2
+
+
+def sse_event(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def sse_audio(data: bytes) -> bytes:
+    return sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
 
 
 def error_response(code: str, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -239,7 +246,6 @@ class SpeechStream(Response):
                  t0: float):
         self.rt, self.req, self.stream, self.file, self.n_tokens, self.t0 = rt, req, stream, file, n_tokens, t0
         self.ectx, self.audio, self.trace_id = stream.ectx, stream.audio, stream.trace_id
-        self.codes = stream.codes
         self.log = context_logger(self.trace_id)
         self.first_sent = False
         self.started = False  # response headers sent
@@ -261,7 +267,7 @@ class SpeechStream(Response):
             done, _ = await asyncio.wait({watcher, backlog, worker, drain}, return_when=asyncio.FIRST_COMPLETED)
             if worker not in done:
                 if drain in done and watcher not in done:
-                    self.log.warning("drain deadline: cutting this stream after %d frames", self.frames)
+                    self.log.warning("drain deadline: cutting this stream after %d frames", self.stream.frames)
                     self.reason = "drained"
                 elif backlog in done:
                     self.log.warning("slow reader: over %g s of audio waited to be sent; closing",
@@ -295,7 +301,7 @@ class SpeechStream(Response):
             rt.metrics.active_contexts.dec("http")
             rt.metrics.contexts.inc("http", self.reason)
             self.log.info("speech request ended: %s, %d frames, %.0f ms of audio in %.0f ms", self.reason,
-                          self.frames, self.audio.encoded_ms, (time.monotonic() - self.t0) * 1000)
+                          self.stream.frames, self.audio.encoded_ms, (time.monotonic() - self.t0) * 1000)
 
     async def _end_drained(self, send) -> None:
         """The drain deadline cut this request: a response not yet begun is a retryable 503; one under way ends
@@ -305,9 +311,7 @@ class SpeechStream(Response):
             await error_response("overloaded", "the server is draining and its deadline passed before this request "
                                  "finished; retry on another server")(self.scope, _no_receive, send)
             return
-        tail = b""
-        if self.req.stream_format == "sse":
-            tail = f"data: {json.dumps(self._sse_done())}\n\n".encode()
+        tail = sse_event(self._sse_done()) if self.req.stream_format == "sse" else b""
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _watch_backlog(self) -> None:
@@ -319,10 +323,10 @@ class SpeechStream(Response):
 
     def _sse_done(self) -> dict:
         return {"type": "speech.audio.done",
-                "usage": {"input_tokens": self.n_tokens, "output_tokens": self.frames,
-                          "total_tokens": self.n_tokens + self.frames},
-                "reason": self.reason, "seed": self.req.options.sampling.seed, "frames": self.frames,
-                "audio_ms": round(self.audio.encoded_ms, 3), "codes_sha256": self.codes.hexdigest()}
+                "usage": {"input_tokens": self.n_tokens, "output_tokens": self.stream.frames,
+                          "total_tokens": self.n_tokens + self.stream.frames},
+                "reason": self.reason, "seed": self.req.options.sampling.seed, "frames": self.stream.frames,
+                "audio_ms": round(self.audio.encoded_ms, 3), "codes_sha256": self.stream.codes.hexdigest()}
 
     def _headers(self, content_type: str) -> list[tuple[bytes, bytes]]:
         h = {"content-type": content_type, "cache-control": "no-store", "x-seed": str(self.req.options.sampling.seed),
@@ -330,10 +334,6 @@ class SpeechStream(Response):
         if self.req.response_format in ("pcm", "wav"):
             h["x-sample-rate"] = "24000"
         return [(k.encode(), v.encode()) for k, v in h.items()]
-
-    @property
-    def frames(self) -> int:
-        return self.stream.frames
 
     async def _events(self):
         """(body bytes, the engine's ContextDone or None) as the stream makes audio."""
@@ -379,8 +379,8 @@ class SpeechStream(Response):
                 self.log.error("synthesis failed mid-stream: %s", ev.error_message)
                 if sse:
                     err = http_error_body(ev.error_code or "synthesis_failed", "synthesis failed mid-stream")
-                    await send({"type": "http.response.body", "more_body": False,
-                                "body": f"data: {json.dumps({'type': 'error', **err})}\n\n".encode()})
+                    await send({"type": "http.response.body", "body": sse_event({"type": "error", **err}),
+                                "more_body": False})
                 else:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
@@ -396,14 +396,10 @@ class SpeechStream(Response):
                 await send({"type": "http.response.start", "status": 200, "headers": self._headers(content_type)})
             if data:
                 self._note_audio(data)
-                body = (f"data: {json.dumps({'type': 'speech.audio.delta', 'audio': base64.b64encode(data).decode()})}"
-                        "\n\n").encode() if sse else data
-                await send({"type": "http.response.body", "body": body, "more_body": True})
+                await send({"type": "http.response.body", "body": sse_audio(data) if sse else data, "more_body": True})
         self.reason = self._finish_reason(done_ev)
         self.rt.metrics.audio_seconds.inc("http", amount=self.audio.encoded_ms / 1000.0)
-        tail = b""
-        if sse:
-            tail = f"data: {json.dumps(self._sse_done())}\n\n".encode()
+        tail = sse_event(self._sse_done()) if sse else b""
         if not started:
             await send({"type": "http.response.start", "status": 200, "headers": self._headers(
                 "text/event-stream" if sse else self.file.content_type)})
@@ -420,19 +416,14 @@ class SpeechStream(Response):
             parts.append(data)
             done_ev = ev or done_ev
         self.reason = self._finish_reason(done_ev)
-        body = b"".join(parts)
-        if self.req.response_format == "wav":  # exact sizes: the length is known
-            body = wav_header(24000, num_samples=len(body) // 2) + body
-        else:
-            body = head + body
+        body = self.file.whole(head, b"".join(parts))
         self.rt.metrics.audio_seconds.inc("http", amount=self.audio.encoded_ms / 1000.0)
         headers = self._headers(self.file.content_type) + [
-            (b"content-length", str(len(body)).encode()), (b"x-codes-sha256", self.codes.hexdigest().encode()),
-            (b"x-frames", str(self.frames).encode()), (b"x-audio-ms", f"{self.audio.encoded_ms:.3f}".encode()),
+            (b"content-length", str(len(body)).encode()), (b"x-codes-sha256", self.stream.codes.hexdigest().encode()),
+            (b"x-frames", str(self.stream.frames).encode()), (b"x-audio-ms", f"{self.audio.encoded_ms:.3f}".encode()),
             (b"x-finish-reason", self.reason.encode())]
         if self.req.stream_format == "sse":
-            body = (f"data: {json.dumps({'type': 'speech.audio.delta', 'audio': base64.b64encode(body).decode()})}"
-                    f"\n\ndata: {json.dumps(self._sse_done())}\n\n").encode()
+            body = sse_audio(body) + sse_event(self._sse_done())
             headers = [h for h in self._headers("text/event-stream")] + [(b"content-length", str(len(body)).encode())]
         self._note_audio(body)
         self.started = True

@@ -1,10 +1,16 @@
-"""Text in (docs/protocol.md 1.7): LLM-text normalisation (normalize), the tokenizer-facing pipeline with its
-early-commit rule (pipeline), and the cutting of a whole text into segments (segments). The doors use only these
-names."""
+"""Text in (docs/protocol.md 1.7): LLM-text normalisation (normalize), then the tokenizer-facing pipeline with its
+early-commit rule and the cutting of a whole text into segments (pipeline). The doors use only these names."""
 
 from server.text.normalize import LlmTextNormalizer, normalize_llm_text
-from server.text.pipeline import TextPipeline, encode_whole
-from server.text.segments import bench_frames, encode_segments, estimated_frames, segment_rule, split_sentences
+from server.text.pipeline import (
+    TextPipeline,
+    bench_frames,
+    encode_segments,
+    encode_whole,
+    estimated_frames,
+    segment_rule,
+    split_sentences,
+)
 
 __all__ = ["LlmTextNormalizer", "TextPipeline", "bench_frames", "encode_segments", "encode_whole", "estimated_frames",
            "normalize_llm_text", "segment_rule", "split_sentences"]

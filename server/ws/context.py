@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from engine import ContextDone
 from server.audio.encoders import AudioPacket
-from server.audio.frames import pack_frame
 from server.logs import context_logger, current_trace
 from server.options import ContextOptions
 from server.protocol import ws_error
 from server.stream import ContextStream
 from server.ws.outbox import Outbox, OutItem, dumps
+from voicelane_wire import pack_frame
 
 if TYPE_CHECKING:
     from server.metrics import ServerMetrics
@@ -60,18 +60,6 @@ class WsContext:
         self.segment_end_ms: dict[int, float] = {}
         self.flushes: deque[tuple[int, Any, Any]] = deque()  # (segment waited for, flush_id, event_id)
         self.task: asyncio.Task | None = None
-
-    @property
-    def input_closed(self) -> bool:
-        return self.stream.input_closed
-
-    @property
-    def frames(self) -> int:
-        return self.stream.frames
-
-    @property
-    def generated_samples(self) -> int:
-        return self.stream.generated_samples
 
     # ------------------------------------------------------------------ text side (receive task)
     def add_text(self, text: str) -> None:
@@ -148,9 +136,7 @@ class WsContext:
         the session and its other contexts go on."""
         if self.ended:
             return
-        self.ectx.cancel()
-        if self.task is not None and self.task is not asyncio.current_task():
-            self.task.cancel()
+        self._stop()
         self.out.send(ws_error("internal", message, context_id=self.id))
         self.end("error")
 
@@ -216,7 +202,8 @@ class WsContext:
             msg = {"type": "context.done", "context_id": self.id, "reason": reason,
                    "audio_ms": round(self.audio.audio_end_ms, 3), "ttfa_ms": ttfa,
                    # extensions (not in docs/protocol.md; clients ignore unknown fields)
-                   "frames": self.frames, "trimmed_ms": round(self.audio.trimmed_samples * 1000.0 / MODEL_RATE, 3),
+                   "frames": self.stream.frames,
+                   "trimmed_ms": round(self.audio.trimmed_samples * 1000.0 / MODEL_RATE, 3),
                    "codes_sha256": self.stream.codes.hexdigest()}
             if self.close_event_id is not None:
                 msg["event_id"] = self.close_event_id
@@ -227,11 +214,8 @@ class WsContext:
 
     def cancel(self, played_ms: float | None, event_id: Any) -> None:
         """Barge-in: stop now, drop queued text and unsent audio, answer context.cancelled."""
-        self.cancelled = True
-        self.ended = True
-        self.stream.cancel()
-        if self.task is not None and self.task is not asyncio.current_task():
-            self.task.cancel()
+        self.cancelled = self.ended = True
+        self._stop()
         self.out.purge(self)
         self.flushes.clear()
         if played_ms is None:
@@ -241,7 +225,7 @@ class WsContext:
             if self.first_audio_sent_at is not None:
                 played_ms = min(self.sent_end_ms, (time.monotonic() - self.first_audio_sent_at) * 1000.0)
         msg = {"type": "context.cancelled", "context_id": self.id,
-               "generated_ms": round(self.generated_samples * 1000.0 / MODEL_RATE, 3),
+               "generated_ms": round(self.stream.generated_samples * 1000.0 / MODEL_RATE, 3),
                "sent_ms": round(self.sent_end_ms, 3), "played_ms": round(played_ms, 3)}
         if event_id is not None:
             msg["event_id"] = event_id
@@ -250,8 +234,11 @@ class WsContext:
 
     def abandon(self) -> None:
         """The session is going away: stop the engine work, send nothing."""
-        self.cancelled = True
-        self.ended = True
-        self.ectx.cancel()
+        self.cancelled = self.ended = True
+        self._stop()
+
+    def _stop(self) -> None:
+        """The engine work and the pump stop (the pump may be the caller: it returns by itself)."""
+        self.stream.cancel()
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()

@@ -88,11 +88,8 @@ class WsSession:
     def ending(self) -> bool:
         return self.out.closed
 
-    def send(self, msg: dict) -> None:
-        self.out.send(msg)
-
     def error(self, exc: ProtocolError, *, context_id: str | None = None, event_id: Any = None) -> None:
-        self.send(ws_error(exc.code, exc.message, context_id=exc.context_id or context_id, event_id=event_id,
+        self.out.send(ws_error(exc.code, exc.message, context_id=exc.context_id or context_id, event_id=event_id,
                            param=exc.param))
 
     def _slow_reader(self, what: str, reason: str, message: str) -> None:
@@ -117,7 +114,7 @@ class WsSession:
                 self.out.put(OutItem(dumps(error)), front=True)
         else:
             if error is not None:
-                self.send(error)
+                self.out.send(error)
             self.out.put(OutItem(close=(code, reason)))
         asyncio.get_running_loop().call_later(CLOSE_GRACE_S if not immediate else 2 * CLOSE_GRACE_S,
                                               self.finished.set)
@@ -169,7 +166,7 @@ class WsSession:
             if owner is not None and not owner.ended:
                 owner.fail(f"an outgoing message could not be written ({type(exc).__name__})")
             else:
-                self.send(ws_error("internal", f"server error: an outgoing message could not be written "
+                self.out.send(ws_error("internal", f"server error: an outgoing message could not be written "
                                    f"({type(exc).__name__}) and was dropped", context_id=cid))
             return None
 
@@ -181,7 +178,7 @@ class WsSession:
         emit = asyncio.create_task(self.emit(), name=f"ws-emit-{self.id}")
         ticker = asyncio.create_task(self._tick(), name=f"ws-tick-{self.id}")
         recv = asyncio.create_task(self._receive(), name=f"ws-recv-{self.id}")
-        self.send(self._session_created())
+        self.out.send(self._session_created())
         if rt.draining:
             self.on_drain(max(0.0, (rt.drain_deadline or time.monotonic()) - time.monotonic()))
         try:
@@ -234,7 +231,7 @@ class WsSession:
     def on_drain(self, deadline_s: float) -> None:
         if not self.draining_sent and not self.ending:
             self.draining_sent = True
-            self.send({"type": "session.draining", "deadline_s": round(deadline_s, 3)})
+            self.out.send({"type": "session.draining", "deadline_s": round(deadline_s, 3)})
 
     async def _tick(self) -> None:
         rt = self.runtime
@@ -245,13 +242,13 @@ class WsSession:
                 for ctx in list(self.contexts.values()):
                     if not ctx.ended:
                         ctx.abandon()
-                        self.send(ws_error("internal", "the engine stopped", context_id=ctx.id))
+                        self.out.send(ws_error("internal", "the engine stopped", context_id=ctx.id))
                         ctx.end("error")
                 self.end(CLOSE_INTERNAL, "engine stopped",
                          error=ws_error("internal", "the engine stopped; reconnect later", fatal=True))
                 return
             for ctx in list(self.contexts.values()):
-                if (not ctx.input_closed and not ctx.timeout_requested and not ctx.ended
+                if (not ctx.stream.input_closed and not ctx.timeout_requested and not ctx.ended
                         and now - ctx.last_activity > self.limits.context_idle_timeout_s):
                     ctx.log.info("context %s idle for %.0f s: ending with reason timeout", ctx.id,
                                  self.limits.context_idle_timeout_s)
@@ -329,16 +326,16 @@ class WsSession:
             self.error(exc, context_id=context_id, event_id=event_id)
         except EngineError as exc:
             code = exc.code if exc.code in ERRORS else "internal"
-            self.send(ws_error(code, str(exc), context_id=context_id, event_id=event_id, param=exc.param))
+            self.out.send(ws_error(code, str(exc), context_id=context_id, event_id=event_id, param=exc.param))
         except Exception as exc:  # noqa: BLE001 - a server fault answers `internal`; the socket survives
             log.exception("session %s: internal error handling %r", self.id, obj.get("type"))
-            self.send(ws_error("internal", f"server error: {type(exc).__name__}", context_id=context_id,
+            self.out.send(ws_error("internal", f"server error: {type(exc).__name__}", context_id=context_id,
                                event_id=event_id))
 
     def _reply(self, msg: dict, event_id: Any) -> None:
         if event_id is not None:
             msg["event_id"] = event_id
-        self.send(msg)
+        self.out.send(msg)
 
     def _lookup(self, body: dict, *, for_text: bool = False) -> WsContext | None:
         """The open context named by `context_id`; ProtocolError for ended / unknown ones (None: unknown and
@@ -468,7 +465,7 @@ class WsSession:
         ctx = self._lookup(body, for_text=True)
         if ctx is None:
             ctx = self._create(get_id(body, "context_id"), {}, event_id)
-        if ctx.input_closed:
+        if ctx.stream.input_closed:
             raise ProtocolError("context_closed", f"context {ctx.id!r} is closed (context.close was sent)", "text")
         if ctx.text_chars + len(text) > self.limits.max_text_chars_per_context:
             raise ProtocolError("text_too_long", f"context {ctx.id!r} would pass "
@@ -481,14 +478,14 @@ class WsSession:
     def on_flush(self, body: dict, event_id: Any) -> None:
         flush_id = get_flush_id(body)
         ctx = self._lookup(body)
-        if ctx.input_closed:
+        if ctx.stream.input_closed:
             raise ProtocolError("context_closed", f"context {ctx.id!r} is closed (context.close was sent)",
                                 "context_id")
         ctx.flush(flush_id, event_id)
 
     def on_context_close(self, body: dict, event_id: Any) -> None:
         ctx = self._lookup(body)
-        if ctx.input_closed:
+        if ctx.stream.input_closed:
             raise ProtocolError("context_closed", f"context {ctx.id!r} is already closed", "context_id")
         ctx.close_event_id = event_id
         ctx.close_input()
@@ -499,7 +496,7 @@ class WsSession:
         ctx = self.contexts.get(cid)
         if ctx is None:
             if cid in self.ended_ids:
-                self.send(ws_warning("context_not_active", f"context {cid!r} has already ended", context_id=cid,
+                self.out.send(ws_warning("context_not_active", f"context {cid!r} has already ended", context_id=cid,
                                      event_id=event_id))
                 return
             raise ProtocolError("unknown_context", f"no context {cid!r} on this socket", "context_id")
@@ -538,7 +535,7 @@ class WsSession:
         m.active_contexts.dec("ws")
         m.contexts.inc("ws", reason)
         ctx.log.info("context %s ended: %s (frames %d, generated %.0f ms, sent %.0f ms)", ctx.id, reason,
-                     ctx.frames, ctx.generated_samples / 24.0, ctx.sent_end_ms)
+                     ctx.stream.frames, ctx.stream.generated_samples / 24.0, ctx.sent_end_ms)
 
 
 # What each client message does (docs/protocol.md 1.1), by its `type` (server.protocol.CLIENT_TYPES).
