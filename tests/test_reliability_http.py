@@ -15,7 +15,7 @@ from test_server_http import ogg_packets, post
 from server.app import create_app
 from server.config import ServerConfig
 from server.runtime import Runtime
-from server.text import bench_frames, encode_segments, encode_whole, estimated_frames, split_sentences
+from server.text.pipeline import bench_frames, encode_segments, encode_whole, estimated_frames, split_sentences
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from server.options import (
     validate_sampling,
 )
 from server.protocol import ProtocolError
-from server.text import TextPipeline, encode_whole
+from server.text.pipeline import TextPipeline, encode_whole
 
 SR = 24000
 
@@ -259,3 +259,13 @@ def test_cli_resolves_flags_keys_and_hides_them(tmp_path, monkeypatch, capsys):
     assert bench_of("--bench-frames-per-word", "0").bench_frames_per_word == 0
     with pytest.raises(Exception, match="not a checkpoint directory"):
         config_from_args(build_parser().parse_args(["serve", "--model", str(tmp_path)]))
+
+
+def test_every_client_message_type_has_a_handler():
+    """The session dispatches on `type` through its table: a type the envelope accepts but the table lacks would
+    answer `internal` instead of doing its job."""
+    from server.protocol import CLIENT_TYPES
+    from server.ws.session import HANDLERS
+
+    assert set(HANDLERS) == set(CLIENT_TYPES)
+    assert all(callable(h) for h in HANDLERS.values())

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from server.text import LlmTextNormalizer, normalize_llm_text
+from server.text.normalize import LlmTextNormalizer, normalize_llm_text
 
 CASES = [
     # emphasis

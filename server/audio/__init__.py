@@ -11,9 +11,7 @@
 - containers: the HTTP response formats as files around an output (AudioFile, open_audio_file).
 - stream: AudioStream, one context's trimming and output.
 
-Every encoder is a plain synchronous object with per-stream state: the gateway runs its calls in a thread pool
-executor (never on the event loop), one call at a time per object, in order. Codec libraries are imported only
-when an encoder that needs them is built, so this package imports without them.
+Codec libraries are imported only when an encoder that needs them is built, so this package imports without them.
 """
 
 from voicelane_wire import (

@@ -1,16 +1,6 @@
 """Text in (docs/protocol.md 1.7): LLM-text normalisation (normalize), then the tokenizer-facing pipeline with its
-early-commit rule and the cutting of a whole text into segments (pipeline). The doors use only these names."""
+early-commit rule and the cutting of a whole text into segments (pipeline). These are the names the doors use."""
 
-from server.text.normalize import LlmTextNormalizer, normalize_llm_text
-from server.text.pipeline import (
-    TextPipeline,
-    bench_frames,
-    encode_segments,
-    encode_whole,
-    estimated_frames,
-    segment_rule,
-    split_sentences,
-)
+from server.text.pipeline import TextPipeline, encode_segments, segment_rule
 
-__all__ = ["LlmTextNormalizer", "TextPipeline", "bench_frames", "encode_segments", "encode_whole", "estimated_frames",
-           "normalize_llm_text", "segment_rule", "split_sentences"]
+__all__ = ["TextPipeline", "encode_segments", "segment_rule"]

@@ -16,7 +16,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from engine import ContextDone
-from server.audio.encoders import AudioPacket
+from server.audio.encoders import MODEL_RATE, AudioPacket
 from server.logs import context_logger, current_trace
 from server.options import ContextOptions
 from server.protocol import ws_error
@@ -27,10 +27,10 @@ from voicelane_wire import pack_frame
 if TYPE_CHECKING:
     from server.metrics import ServerMetrics
 
-MODEL_RATE = 24000
-
 
 class WsContext:
+    """One context's WebSocket side: its framing, flush replies, playback reports and end; the stream does the rest."""
+
     def __init__(self, out: Outbox, metrics: ServerMetrics, context_id: str, options: ContextOptions,
                  stream: ContextStream, stream_id: int):
         self.out, self.metrics, self.id, self.opts, self.stream = out, metrics, context_id, options, stream
@@ -119,7 +119,7 @@ class WsContext:
                 packets = ev.packets
                 final = self.stream.is_final(seg)
                 if final:
-                    packets += await self.stream.close_audio()
+                    packets = packets + await self.stream.close_audio()
                     if self.cancelled:
                         return
                 self._send_packets(packets, last=final)
@@ -158,7 +158,7 @@ class WsContext:
             end_ms = max(0.0, (p.start_sample + p.samples - self.audio.pre_skip) * 1000.0 / self.audio.clock_rate)
             audio_s = p.samples / self.audio.clock_rate
             self.out.put(OutItem(data, owner=self, audio_s=audio_s, purgeable=True,
-                                         on_sent=lambda e=end_ms, s=audio_s: self._on_audio_sent(e, s)))
+                                 on_sent=lambda e=end_ms, s=audio_s: self._on_audio_sent(e, s)))
             self.seq += 1
             self.next_start = p.start_sample + p.samples
             if is_last:
@@ -167,12 +167,11 @@ class WsContext:
 
     def _on_audio_sent(self, end_ms: float, audio_s: float) -> None:
         self.sent_end_ms = max(self.sent_end_ms, end_ms)
-        metrics = self.metrics
-        metrics.audio_seconds.inc("ws", amount=audio_s)
+        self.metrics.audio_seconds.inc("ws", amount=audio_s)
         if self.first_audio_sent_at is None and audio_s > 0:
             self.first_audio_sent_at = time.monotonic()
             start = self.first_text_at or self.created_at
-            metrics.ttfa.observe("ws", value=self.first_audio_sent_at - start)
+            self.metrics.ttfa.observe("ws", value=self.first_audio_sent_at - start)
 
     async def _finish(self, ev: ContextDone) -> None:
         """The engine ended the context (completed, max_frames, error) or the session timed it out."""
@@ -180,7 +179,7 @@ class WsContext:
         if reason == "error":
             code = ev.error_code or "synthesis_failed"
             self.out.send(ws_error(code if code in ("synthesis_failed", "internal") else "synthesis_failed",
-                                       f"synthesis failed: {ev.error_message or 'model error'}", context_id=self.id))
+                                   f"synthesis failed: {ev.error_message or 'model error'}", context_id=self.id))
         if not self.last_sent:
             packets = await self.stream.close_audio()
             if self.cancelled:

@@ -90,7 +90,7 @@ class WsSession:
 
     def error(self, exc: ProtocolError, *, context_id: str | None = None, event_id: Any = None) -> None:
         self.out.send(ws_error(exc.code, exc.message, context_id=exc.context_id or context_id, event_id=event_id,
-                           param=exc.param))
+                               param=exc.param))
 
     def _slow_reader(self, what: str, reason: str, message: str) -> None:
         """A client that does not read ends with 4009 before what waits for it passes either bound."""
@@ -167,7 +167,7 @@ class WsSession:
                 owner.fail(f"an outgoing message could not be written ({type(exc).__name__})")
             else:
                 self.out.send(ws_error("internal", f"server error: an outgoing message could not be written "
-                                   f"({type(exc).__name__}) and was dropped", context_id=cid))
+                                       f"({type(exc).__name__}) and was dropped", context_id=cid))
             return None
 
     # ------------------------------------------------------------------ life cycle
@@ -330,7 +330,7 @@ class WsSession:
         except Exception as exc:  # noqa: BLE001 - a server fault answers `internal`; the socket survives
             log.exception("session %s: internal error handling %r", self.id, obj.get("type"))
             self.out.send(ws_error("internal", f"server error: {type(exc).__name__}", context_id=context_id,
-                               event_id=event_id))
+                                   event_id=event_id))
 
     def _reply(self, msg: dict, event_id: Any) -> None:
         if event_id is not None:
@@ -496,8 +496,8 @@ class WsSession:
         ctx = self.contexts.get(cid)
         if ctx is None:
             if cid in self.ended_ids:
-                self.out.send(ws_warning("context_not_active", f"context {cid!r} has already ended", context_id=cid,
-                                     event_id=event_id))
+                self.out.send(ws_warning("context_not_active", f"context {cid!r} has already ended",
+                                         context_id=cid, event_id=event_id))
                 return
             raise ProtocolError("unknown_context", f"no context {cid!r} on this socket", "context_id")
         ctx.cancel(played, event_id)
