@@ -18,12 +18,12 @@ from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Respon
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
-from server import openai_api
 from server.auth import bearer_token
-from server.gateway import websocket_endpoint
+from server.http import openai_api
+from server.http.openai_api import error_response
 from server.metrics import CONTENT_TYPE
-from server.openai_api import error_response
 from server.runtime import Runtime
+from server.ws.session import websocket_endpoint
 
 log = logging.getLogger("voicelane.http")
 _ROOT = Path(__file__).resolve().parent.parent

@@ -3,7 +3,7 @@ connections of one client address.
 
 Without them a slow-loris client (a head sent a byte at a time, or never finished) keeps its connection and file
 descriptor for ever, and enough of them exhaust the process's open-file limit so new WebSocket connects fail.
-The body deadline is enforced where the body is read (server/openai_api.py: 408 `request_timeout`).
+The body deadline is enforced where the body is read (server/http/openai_api.py: 408 `request_timeout`).
 
 `guarded_protocol(base, ...)` subclasses uvicorn's HTTP protocol class (httptools or h11; both keep `cycle`, the
 request being served, and upgrade through `handle_websocket_upgrade`). A head is complete when a new request cycle

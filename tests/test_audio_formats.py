@@ -12,10 +12,11 @@ from server.audio import (
     HEADER_SIZE,
     Mp3StreamEncoder,
     Mp3UnavailableError,
+    OpusOutput,
+    PcmOutput,
     WavWriter,
-    WsAudioEncoder,
     float_to_s16le,
-    make_http_encoder,
+    open_audio_file,
     pack_frame,
     pack_header,
     unpack_frame,
@@ -146,7 +147,7 @@ def test_missing_lameenc_is_clear(monkeypatch):
         Mp3StreamEncoder()
 
 
-# --------------------------------------------------------------------------------------- gateway encoders
+# ------------------------------------------------------------------------------------ outputs and files
 
 
 @pytest.mark.parametrize(
@@ -154,7 +155,7 @@ def test_missing_lameenc_is_clear(monkeypatch):
     [("pcm_s16le", 24000, 2), ("pcm_f32le", 24000, 4), ("pcm_s16le", 16000, 2), ("pcm_mulaw", 8000, 1)],
 )
 def test_ws_pcm_encoder_timeline(encoding, rate, bps):
-    enc = WsAudioEncoder(encoding, rate)
+    enc = PcmOutput(encoding, rate)
     assert enc.clock_rate == rate and enc.pre_skip == 0
     x = sine(440.0, 5000)
     packets = []
@@ -172,7 +173,7 @@ def test_ws_pcm_encoder_timeline(encoding, rate, bps):
 
 
 def test_ws_opus_encoder():
-    enc = WsAudioEncoder("opus", bitrate=32000)
+    enc = OpusOutput(bitrate=32000)
     assert enc.clock_rate == 48000 and enc.pre_skip == 312
     x = sine(440.0, 5000)
     packets = enc.encode(x) + enc.flush()
@@ -186,12 +187,12 @@ def test_ws_opus_encoder():
 
 def test_http_encoders():
     x = sine(440.0, 5000)
-    pcm = make_http_encoder("pcm")
+    pcm = open_audio_file("pcm")
     assert pcm.content_type == "audio/pcm" and pcm.header() == b""
-    assert pcm.encode(x) == float_to_s16le(x) and pcm.finish() == b""
-    wav = make_http_encoder("wav")
+    assert pcm.body(pcm.output.encode(x)) == float_to_s16le(x) and pcm.end(pcm.output.close()) == b""
+    wav = open_audio_file("wav")
     assert wav.content_type == "audio/wav" and wav.header() == wav_header(24000)
-    assert wav.encode(x) == float_to_s16le(x)
+    assert wav.body(wav.output.encode(x)) == float_to_s16le(x)
     assert set(CONTENT_TYPES) == {"pcm", "wav", "opus", "mp3"}
     with pytest.raises(ValueError):
-        make_http_encoder("flac")
+        open_audio_file("flac")

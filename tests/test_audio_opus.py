@@ -12,7 +12,7 @@ import numpy as np
 import opuslib  # required, not skipped: CI installs opuslib and libopus0 (a missing one must fail loudly)
 import pytest
 
-from server.audio import OggOpusWriter, OpusStreamEncoder, OpusUnavailableError, make_http_encoder
+from server.audio import OggOpusWriter, OpusStreamEncoder, OpusUnavailableError, open_audio_file
 from server.audio.ogg import ogg_crc, opus_packet_samples
 
 SR = 24000
@@ -158,12 +158,12 @@ def test_ogg_crc_known_value():
 
 
 def make_ogg(x, chunk=1920):
-    enc = make_http_encoder("opus")
-    parts = [enc.header()]
+    file = open_audio_file("opus")
+    parts = [file.header()]
     for i in range(0, len(x), chunk):
-        parts.append(enc.encode(x[i : i + chunk]))
-    parts.append(enc.finish())
-    return enc, parts
+        parts.append(file.body(file.output.encode(x[i : i + chunk])))
+    parts.append(file.end(file.output.close()))
+    return file, parts
 
 
 def test_ogg_pages_headers_granules():

@@ -16,7 +16,7 @@ from engine import FastPath, Readiness
 from server.app import create_app
 from server.config import ServerConfig
 from server.runtime import Runtime
-from server.textpipe import bench_frames, encode_segments, encode_whole, estimated_frames, split_sentences
+from server.text.pipeline import bench_frames, encode_segments, encode_whole, estimated_frames, split_sentences
 
 
 @pytest.fixture(scope="module")

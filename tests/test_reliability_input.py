@@ -12,10 +12,10 @@ import pytest
 from live_server import Raw, collect, live_server, run, speak_ctx
 
 from server.config import ServerConfig
-from server.gateway import WsSession
 from server.metrics import ServerMetrics
-from server.outqueue import OutItem
 from server.protocol import ProtocolError, check_unicode, lone_surrogate_path, parse_played_map
+from server.ws.outbox import OutItem
+from server.ws.session import WsSession
 
 BAD = "bad\ud800id"  # what the JSON escape "\ud800" decodes to
 
@@ -139,7 +139,7 @@ def test_one_unwritable_message_drops_only_that_context():
         session.out.put(OutItem(render=render_fails, owner=other))
         session.out.put(OutItem(b"\x00audio", owner=other))
         session.out.put(OutItem('{"orphan":"\udfff"}'))  # no context: only an `internal` error replaces it
-        emit = asyncio.create_task(session._emit())
+        emit = asyncio.create_task(session.emit())
         await asyncio.sleep(0.2)
         session.out.put(OutItem(close=(1000, "bye")))
         await asyncio.wait_for(emit, 5)

@@ -12,7 +12,7 @@ import pytest
 from live_server import CONFIGS, Raw, run, start_server
 from websockets.exceptions import ConnectionClosed
 
-from server.outqueue import OutItem, OutQueue
+from server.ws.outbox import OutItem, OutQueue
 
 LIMITS = ["--max-unsent-bytes", str(1 << 20), "--max-messages-per-s", "50", "--message-burst", "20",
           "--http-head-timeout-s", "1", "--http-body-timeout-s", "1", "--max-connections-per-client", "12"]

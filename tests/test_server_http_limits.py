@@ -77,10 +77,11 @@ def test_slow_http_reader_is_cut_off():
 
     from engine import AudioChunk
     from engine.model.sampling_params import SamplingParams
-    from server.audio.stream import HttpAudioStream
+    from server.audio import AudioStream, open_audio_file
     from server.config import Limits, ServerConfig
-    from server.openai_api import SpeechRequest, SpeechStream
+    from server.http.openai_api import SpeechRequest, SpeechStream
     from server.runtime import Runtime
+    from server.stream import ContextStream
 
     class SlowClientContext:  # the engine side: audio keeps coming, the client's socket never drains
         ended = False
@@ -112,7 +113,9 @@ def test_slow_http_reader_is_cut_off():
         rt = Runtime(ServerConfig(limits=Limits(max_unsent_audio_s=0.5)))
         req = SpeechRequest("hi", SimpleNamespace(sampling=SamplingParams(seed=1)), "pcm", True, "audio")
         ectx = SlowClientContext()
-        stream = SpeechStream(rt, req, ectx, HttpAudioStream("pcm"), "trace-slow", 1, 0.0)
+        file = open_audio_file("pcm")
+        context = ContextStream(ectx, AudioStream(file.output, segment_flush=False), None, trace_id="trace-slow")
+        stream = SpeechStream(rt, req, context, file, 1, 0.0)
         await asyncio.wait_for(stream({"type": "http"}, never_disconnects, stalled_send), timeout=30)
         return stream, ectx, rt
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine.model.sampling_params import SamplingParams
 from engine.text.tokenizer import TextTokenizer
-from server.audio.stream import HttpAudioStream, WsAudioStream
+from server.audio import AudioStream, OpusOutput, PcmOutput, open_audio_file
 from server.auth import KeyChecker, OriginPolicy, query_token, subprotocol_token
 from server.config import Secret, ServerConfig
 from server.options import (
@@ -23,7 +23,7 @@ from server.options import (
     validate_sampling,
 )
 from server.protocol import ProtocolError
-from server.textpipe import TextPipeline, encode_whole
+from server.text.pipeline import TextPipeline, encode_whole
 
 SR = 24000
 
@@ -114,7 +114,7 @@ def chunks(x: np.ndarray, n: int = 1920):
 
 
 def test_leading_silence_trimmed_at_every_segment_start():
-    stream = WsAudioStream("pcm_s16le", 24000)
+    stream = AudioStream(PcmOutput("pcm_s16le", 24000), segment_flush=True)
     packets = []
     for seg in (silence_then_tone(0.3, 0.5), silence_then_tone(0.2, 0.4)):
         for c in chunks(seg):
@@ -136,7 +136,7 @@ def test_leading_silence_trimmed_at_every_segment_start():
 
 
 def test_tone_from_the_start_is_never_trimmed_and_silence_only_segment_is_dropped():
-    stream = WsAudioStream("pcm_s16le", 24000)
+    stream = AudioStream(PcmOutput("pcm_s16le", 24000), segment_flush=True)
     tone = silence_then_tone(0.0, 0.2)
     kept = b"".join(p.payload for c in chunks(tone) for p in stream.process(c))
     kept += b"".join(p.payload for p in stream.end_segment())
@@ -147,7 +147,7 @@ def test_tone_from_the_start_is_never_trimmed_and_silence_only_segment_is_droppe
 
 
 def test_opus_stream_with_trimming_decodes_to_the_kept_audio():
-    stream = WsAudioStream("opus", 24000)
+    stream = AudioStream(OpusOutput(), segment_flush=True)
     assert stream.pre_skip == 312 and stream.clock_rate == 48000
     packets = [p for c in chunks(silence_then_tone(0.25, 0.3)) for p in stream.process(c)]
     packets += stream.end_segment() + stream.close()
@@ -160,8 +160,10 @@ def test_opus_stream_with_trimming_decodes_to_the_kept_audio():
 
 
 def test_http_stream_trims_too():
-    s = HttpAudioStream("pcm")
-    body = b"".join(s.process(c) for c in chunks(silence_then_tone(0.5, 0.2))) + s.end_segment() + s.finish()
+    file = open_audio_file("pcm")
+    s = AudioStream(file.output, segment_flush=False)
+    body = b"".join(file.body(s.process(c)) for c in chunks(silence_then_tone(0.5, 0.2)))
+    body += file.body(s.end_segment()) + file.end(s.close())
     assert len(body) // 2 == pytest.approx(0.22 * SR, abs=48)
 
 
@@ -257,3 +259,13 @@ def test_cli_resolves_flags_keys_and_hides_them(tmp_path, monkeypatch, capsys):
     assert bench_of("--bench-frames-per-word", "0").bench_frames_per_word == 0
     with pytest.raises(Exception, match="not a checkpoint directory"):
         config_from_args(build_parser().parse_args(["serve", "--model", str(tmp_path)]))
+
+
+def test_every_client_message_type_has_a_handler():
+    """The session dispatches on `type` through its table: a type the envelope accepts but the table lacks would
+    answer `internal` instead of doing its job."""
+    from server.protocol import CLIENT_TYPES
+    from server.ws.session import HANDLERS
+
+    assert set(HANDLERS) == set(CLIENT_TYPES)
+    assert all(callable(h) for h in HANDLERS.values())

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from server.text_normalize import LlmTextNormalizer, normalize_llm_text
+from server.text.normalize import LlmTextNormalizer, normalize_llm_text
 
 CASES = [
     # emphasis
@@ -132,3 +132,19 @@ def test_chunking_invariance():
             normalizer = LlmTextNormalizer()
             streamed = "".join(normalizer.feed(part) for part in parts) + normalizer.finish()
             assert streamed == whole, (text, parts)
+
+
+def test_holds_gap_only_while_the_space_after_a_word_waits():
+    """The pipeline's early commit rests on this: after a word and its space, nothing but whitespace or closing
+    punctuation can come out next."""
+    n = LlmTextNormalizer("llm")
+    assert not n.holds_gap  # nothing seen yet
+    n.feed("Hello")
+    assert not n.holds_gap  # the word may go on
+    n.feed(" ")
+    assert n.holds_gap
+    n.feed("n")  # (not "w": that may open "www.", which is held back whole)
+    assert not n.holds_gap
+    n.feed("\n")
+    assert n.holds_gap
+    assert not LlmTextNormalizer("none").holds_gap

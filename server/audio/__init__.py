@@ -6,23 +6,15 @@
 - ogg: OggOpusWriter (RFC 7845) and Ogg helpers.
 - mp3: Mp3StreamEncoder (lameenc).
 - wav: wav_header (streaming 0xFFFFFFFF sizes or exact), WavWriter, write_wav.
-- frames: the 16-byte binary audio frame header (docs/protocol.md 1.3).
-- formats: WsAudioEncoder and make_http_encoder, one object per output stream for the gateway.
+- the 16-byte binary audio frame header (docs/protocol.md 1.3), re-exported from voicelane_wire.
+- encoders: AudioPacket and one output per encoding (PcmOutput, OpusOutput, Mp3Output), for both doors.
+- containers: the HTTP response formats as files around an output (AudioFile, open_audio_file).
+- stream: AudioStream, one context's trimming and output.
 
-Every encoder is a plain synchronous object with per-stream state: the gateway runs its calls in a thread pool
-executor (never on the event loop), one call at a time per object, in order. Codec libraries are imported only
-when an encoder that needs them is built, so this package imports without them.
+Codec libraries are imported only when an encoder that needs them is built, so this package imports without them.
 """
 
-from .formats import (
-    CONTENT_TYPES,
-    HTTP_FORMATS,
-    HttpAudioEncoder,
-    WirePacket,
-    WsAudioEncoder,
-    make_http_encoder,
-)
-from .frames import (
+from voicelane_wire import (
     FLAG_FIRST,
     FLAG_LAST,
     FLAG_SEGMENT_START,
@@ -32,6 +24,9 @@ from .frames import (
     pack_header,
     unpack_frame,
 )
+
+from .containers import CONTENT_TYPES, HTTP_FORMATS, AudioFile, open_audio_file
+from .encoders import AudioOutput, AudioPacket, Mp3Output, OpusOutput, PcmOutput
 from .mp3 import Mp3StreamEncoder, Mp3UnavailableError
 from .ogg import OggOpusWriter, opus_packet_samples
 from .opus import OpusPacket, OpusStreamEncoder, OpusUnavailableError
@@ -47,43 +42,15 @@ from .pcm import (
     s16_to_float,
     s16_to_mulaw,
 )
+from .stream import AudioStream
 from .trim import LeadingSilenceTrimmer
 from .wav import WavWriter, wav_header, write_wav
 
 __all__ = [
-    "CONTENT_TYPES",
-    "FLAG_FIRST",
-    "FLAG_LAST",
-    "FLAG_SEGMENT_START",
-    "HEADER_SIZE",
-    "HTTP_FORMATS",
-    "PCM_ENCODINGS",
-    "FrameHeader",
-    "HttpAudioEncoder",
-    "LeadingSilenceTrimmer",
-    "Mp3StreamEncoder",
-    "Mp3UnavailableError",
-    "OggOpusWriter",
-    "OpusPacket",
-    "OpusStreamEncoder",
-    "OpusUnavailableError",
-    "PcmEncoder",
-    "Resampler",
-    "WavWriter",
-    "WirePacket",
-    "WsAudioEncoder",
-    "float_to_f32le",
-    "float_to_mulaw",
-    "float_to_s16",
-    "float_to_s16le",
-    "make_http_encoder",
-    "mulaw_to_s16",
-    "opus_packet_samples",
-    "pack_frame",
-    "pack_header",
-    "s16_to_float",
-    "s16_to_mulaw",
-    "unpack_frame",
-    "wav_header",
-    "write_wav",
+    "CONTENT_TYPES", "FLAG_FIRST", "FLAG_LAST", "FLAG_SEGMENT_START", "HEADER_SIZE", "HTTP_FORMATS", "PCM_ENCODINGS",
+    "AudioFile", "AudioOutput", "AudioPacket", "AudioStream", "FrameHeader", "LeadingSilenceTrimmer", "Mp3Output",
+    "Mp3StreamEncoder", "Mp3UnavailableError", "OggOpusWriter", "OpusOutput", "OpusPacket", "OpusStreamEncoder",
+    "OpusUnavailableError", "PcmEncoder", "PcmOutput", "Resampler", "WavWriter", "float_to_f32le", "float_to_mulaw",
+    "float_to_s16", "float_to_s16le", "mulaw_to_s16", "open_audio_file", "opus_packet_samples", "pack_frame",
+    "pack_header", "s16_to_float", "s16_to_mulaw", "unpack_frame", "wav_header", "write_wav",
 ]

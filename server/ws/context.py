@@ -1,5 +1,6 @@
-"""One context of a WebSocket session: its text pipeline, its engine context, and the pump task that turns engine
-events into audio packets, `flushed`, and the context's single end message.
+"""One context of a WebSocket session: its stream (server.stream.ContextStream) and the pump task that lays the
+stream's packets out as binary frames or JSON `audio` messages, answers `flush` with `flushed`, and sends the
+context's single end message. All it holds of its session is the outbox (server.ws.outbox.Outbox).
 
 Per context the order is `context.created` < audio < `flushed`* < one of `context.done` / `context.cancelled`
 (docs/protocol.md 1.2): everything goes through the session's one FIFO, the pump handles engine events in order,
@@ -10,41 +11,34 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
-import json
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from engine import AudioChunk, ContextDone, SegmentDone
-from server.audio.frames import pack_frame
-from server.audio.stream import StreamPacket, WsAudioStream
+from engine import ContextDone
+from server.audio.encoders import MODEL_RATE, AudioPacket
 from server.logs import context_logger, current_trace
 from server.options import ContextOptions
-from server.outqueue import OutItem
 from server.protocol import ws_error
-from server.textpipe import TextPipeline
+from server.stream import ContextStream
+from server.ws.outbox import Outbox, OutItem, dumps
+from voicelane_wire import pack_frame
 
 if TYPE_CHECKING:
-    from engine import EngineContext
-    from server.session_contract import WsSession
-
-MODEL_RATE = 24000
-
-
-def dumps(msg: dict) -> str:
-    return json.dumps(msg, ensure_ascii=False, separators=(",", ":"))
+    from server.metrics import ServerMetrics
 
 
 class WsContext:
-    def __init__(self, session: WsSession, context_id: str, options: ContextOptions, engine_ctx: EngineContext,
-                 stream_id: int, trace_id: str, pipeline: TextPipeline, audio: WsAudioStream):
-        self.session, self.id, self.opts, self.ectx = session, context_id, options, engine_ctx
-        self.stream_id, self.trace_id, self.pipeline, self.audio = stream_id, trace_id, pipeline, audio
-        self.log = context_logger(trace_id)
+    """One context's WebSocket side: its framing, flush replies, playback reports and end; the stream does the rest."""
+
+    def __init__(self, out: Outbox, metrics: ServerMetrics, context_id: str, options: ContextOptions,
+                 stream: ContextStream, stream_id: int):
+        self.out, self.metrics, self.id, self.opts, self.stream = out, metrics, context_id, options, stream
+        self.stream_id = stream_id
+        self.ectx, self.audio, self.trace_id = stream.ectx, stream.audio, stream.trace_id
+        self.log = context_logger(self.trace_id)
         self.created_at = time.monotonic()
         self.json_audio = options.audio_transport == "json"
-        self.input_closed = False
         self.close_event_id: Any = None  # event_id of the context.close (echoed on context.done)
         self.ended = False  # done, cancelled or timed out: no more messages for it after its end message
         self.cancelled = False
@@ -58,17 +52,11 @@ class WsContext:
         self.seq = 0
         self.next_start = 0  # stream clock: where the next packet starts
         self.last_sent = False  # a packet with the `last` flag went out
-        self.generated_samples = 0  # engine audio received (model rate, untrimmed)
-        self.frames = 0
-        self.codes = hashlib.sha256()
         self.sent_end_ms = 0.0  # listener timeline end of the audio written to the socket
         self.played_ms: float | None = None  # the client's last playback report
         self.playback_state: str | None = None
         # flushes
         self.flush_count = 0
-        self.last_segment = -1  # index of the last segment ended by a flush or the close
-        self.final_segment: int | None = None
-        self.segments_done = 0  # segments whose audio (and encoder flush) is all queued
         self.segment_end_ms: dict[int, float] = {}
         self.flushes: deque[tuple[int, Any, Any]] = deque()  # (segment waited for, flush_id, event_id)
         self.task: asyncio.Task | None = None
@@ -79,91 +67,64 @@ class WsContext:
             self.first_text_at = time.monotonic()
         self.text_chars += len(text)
         self.last_activity = time.monotonic()
-        ids = self.pipeline.feed(text)
-        if ids:
-            self.ectx.append_text(ids)
+        self.stream.add_text(text)
 
     def flush(self, flush_id: Any, event_id: Any) -> None:
-        ids, words = self.pipeline.finish(closing=False)
-        if ids:
-            self.ectx.append_text(ids)
-        seg = self.ectx.flush(words)
+        seg = self.stream.flush()
         self.flush_count += 1
-        if seg is not None:
-            self.last_segment = seg
-        self.flushes.append((self.last_segment, flush_id if flush_id is not None else self.flush_count, event_id))
+        self.flushes.append((seg, flush_id if flush_id is not None else self.flush_count, event_id))
         self.last_activity = time.monotonic()
         self.release_flushes()
 
     def close_input(self) -> None:
-        ids, words = self.pipeline.finish()
-        if ids:
-            self.ectx.append_text(ids)
-        seg = self.ectx.close(words)
-        self.input_closed = True
-        if seg is not None:
-            self.last_segment = seg
-        self.final_segment = self.last_segment if self.last_segment >= self.segments_done else None
+        self.stream.close_input()
 
     def release_flushes(self) -> None:
-        while self.flushes and self.flushes[0][0] < self.segments_done:
+        while self.flushes and self.flushes[0][0] < self.stream.segments_done:
             seg, fid, eid = self.flushes.popleft()
             msg: dict[str, Any] = {"type": "flushed", "context_id": self.id, "flush_id": fid,
                                    "audio_end_ms": round(self.segment_end_ms.get(seg, 0.0), 3)}
             if eid is not None:
                 msg["event_id"] = eid
-            self.session.out.put(OutItem(dumps(msg), owner=self, purgeable=True))
+            self.out.put(OutItem(dumps(msg), owner=self, purgeable=True))
 
     def report_playback(self, played_ms: float, state: str, buffered_ms: float | None = None) -> None:
         """The client's listener timeline -> the engine's context timeline (which counts trimmed silence and not
         Opus flush padding): shift by their current difference."""
         if state == "underrun" and self.playback_state != "underrun":
-            self.session.runtime.metrics.underruns.inc()
+            self.metrics.underruns.inc()
         self.playback_state = state
         self.played_ms = played_ms
         self.ectx.report_playback(max(0.0, played_ms + self.audio.engine_offset_ms), state, buffered_ms)
 
-    # ------------------------------------------------------------------ pump (engine events -> socket)
+    # ------------------------------------------------------------------ pump (stream events -> socket)
     async def pump(self) -> None:
         current_trace.set(self.trace_id)
-        loop = asyncio.get_running_loop()
-        pool = self.session.runtime.executor
         try:
-            async for ev in self.ectx.events():
+            async for ev in self.stream.events():
                 if self.cancelled:
                     return
                 if self.fault == "internal":
                     raise RuntimeError("injected server fault (test hook)")
-                if isinstance(ev, AudioChunk):
-                    self.generated_samples += len(ev.pcm)
-                    self.frames += int(ev.codes.shape[0])
-                    self.codes.update(ev.codes.astype("<i8", copy=False).tobytes())
-                    self.last_activity = time.monotonic()
-                    packets = await loop.run_in_executor(pool, self.audio.process, ev.pcm)
-                    if self.audio.trimmer.passing:  # the onset: the segment's first-audio priority ends
-                        self.ectx.mark_audible(ev.segment)
-                    if self.cancelled:
-                        return
-                    self._send_packets(packets)
-                elif isinstance(ev, SegmentDone):
-                    packets = await loop.run_in_executor(pool, self.audio.end_segment)
-                    if self.cancelled:
-                        return
-                    final = self.input_closed and self.final_segment == ev.segment
-                    if final:
-                        packets += await loop.run_in_executor(pool, self.audio.close)
-                        if self.cancelled:
-                            return
-                    self._send_packets(packets, last=final)
-                    self.segment_end_ms[ev.segment] = self.audio.audio_end_ms
-                    self.segments_done = ev.segment + 1
-                    self.last_activity = time.monotonic()
-                    self.release_flushes()
-                elif isinstance(ev, ContextDone):
-                    if ev.reason == "cancelled" and not self.timeout_requested:
+                if ev.done is not None:
+                    if ev.done.reason == "cancelled" and not self.timeout_requested:
                         return  # cancelled by the session: it has answered already
-                    await self._finish(ev)
+                    await self._finish(ev.done)
                     return
+                self.last_activity = time.monotonic()
+                if ev.segment_done is None:
+                    self._send_packets(ev.packets)
+                    continue
+                seg = ev.segment_done.segment
+                packets = ev.packets
+                final = self.stream.is_final(seg)
+                if final:
+                    packets = packets + await self.stream.close_audio()
+                    if self.cancelled:
+                        return
+                self._send_packets(packets, last=final)
+                self.segment_end_ms[seg] = self.audio.audio_end_ms
+                self.release_flushes()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a server fault ends this context only
@@ -175,15 +136,13 @@ class WsContext:
         the session and its other contexts go on."""
         if self.ended:
             return
-        self.ectx.cancel()
-        if self.task is not None and self.task is not asyncio.current_task():
-            self.task.cancel()
-        self.session.send(ws_error("internal", message, context_id=self.id))
-        self._end_message("error")
+        self._stop()
+        self.out.send(ws_error("internal", message, context_id=self.id))
+        self.end("error")
 
-    def _send_packets(self, packets: list[StreamPacket], last: bool = False) -> None:
+    def _send_packets(self, packets: list[AudioPacket], last: bool = False) -> None:
         if not packets and last and self.seq > 0 and not self.last_sent:
-            packets = [StreamPacket(b"", self.next_start, 0, False)]
+            packets = [AudioPacket(b"", self.next_start, 0)]
         for i, p in enumerate(packets):
             is_last = last and i == len(packets) - 1
             first = self.seq == 0
@@ -198,39 +157,38 @@ class WsContext:
                                   segment_start=p.segment_start)
             end_ms = max(0.0, (p.start_sample + p.samples - self.audio.pre_skip) * 1000.0 / self.audio.clock_rate)
             audio_s = p.samples / self.audio.clock_rate
-            self.session.out.put(OutItem(data, owner=self, audio_s=audio_s, purgeable=True,
-                                         on_sent=lambda e=end_ms, s=audio_s: self._on_audio_sent(e, s)))
+            self.out.put(OutItem(data, owner=self, audio_s=audio_s, purgeable=True,
+                                 on_sent=lambda e=end_ms, s=audio_s: self._on_audio_sent(e, s)))
             self.seq += 1
             self.next_start = p.start_sample + p.samples
             if is_last:
                 self.last_sent = True
-        self.session.check_unsent()
+        self.out.check_unsent()
 
     def _on_audio_sent(self, end_ms: float, audio_s: float) -> None:
         self.sent_end_ms = max(self.sent_end_ms, end_ms)
-        metrics = self.session.runtime.metrics
-        metrics.audio_seconds.inc("ws", amount=audio_s)
+        self.metrics.audio_seconds.inc("ws", amount=audio_s)
         if self.first_audio_sent_at is None and audio_s > 0:
             self.first_audio_sent_at = time.monotonic()
             start = self.first_text_at or self.created_at
-            metrics.ttfa.observe("ws", value=self.first_audio_sent_at - start)
+            self.metrics.ttfa.observe("ws", value=self.first_audio_sent_at - start)
 
     async def _finish(self, ev: ContextDone) -> None:
         """The engine ended the context (completed, max_frames, error) or the session timed it out."""
         reason = "timeout" if self.timeout_requested else ev.reason
         if reason == "error":
             code = ev.error_code or "synthesis_failed"
-            self.session.send(ws_error(code if code in ("synthesis_failed", "internal") else "synthesis_failed",
-                                       f"synthesis failed: {ev.error_message or 'model error'}", context_id=self.id))
+            self.out.send(ws_error(code if code in ("synthesis_failed", "internal") else "synthesis_failed",
+                                   f"synthesis failed: {ev.error_message or 'model error'}", context_id=self.id))
         if not self.last_sent:
-            packets = await asyncio.get_running_loop().run_in_executor(self.session.runtime.executor,
-                                                                       self.audio.close)
+            packets = await self.stream.close_audio()
             if self.cancelled:
                 return
             self._send_packets(packets, last=True)
-        self._end_message(reason)
+        self.end(reason)
 
-    def _end_message(self, reason: str) -> None:
+    def end(self, reason: str) -> None:
+        """Queue the context's end message, `context.done` with `reason` (once)."""
         if self.ended:
             return
         self.ended = True
@@ -243,24 +201,21 @@ class WsContext:
             msg = {"type": "context.done", "context_id": self.id, "reason": reason,
                    "audio_ms": round(self.audio.audio_end_ms, 3), "ttfa_ms": ttfa,
                    # extensions (not in docs/protocol.md; clients ignore unknown fields)
-                   "frames": self.frames, "trimmed_ms": round(self.audio.trimmed_samples * 1000.0 / MODEL_RATE, 3),
-                   "codes_sha256": self.codes.hexdigest()}
+                   "frames": self.stream.frames,
+                   "trimmed_ms": round(self.audio.trimmed_samples * 1000.0 / MODEL_RATE, 3),
+                   "codes_sha256": self.stream.codes.hexdigest()}
             if self.close_event_id is not None:
                 msg["event_id"] = self.close_event_id
             return dumps(msg)
 
-        self.session.out.put(OutItem(render=render, owner=self))
-        self.session.context_ended(self, reason)
+        self.out.put(OutItem(render=render, owner=self))
+        self.out.context_ended(self, reason)
 
     def cancel(self, played_ms: float | None, event_id: Any) -> None:
         """Barge-in: stop now, drop queued text and unsent audio, answer context.cancelled."""
-        self.cancelled = True
-        self.ended = True
-        self.ectx.cancel()
-        self.pipeline.reset()
-        if self.task is not None and self.task is not asyncio.current_task():
-            self.task.cancel()
-        self.session.out.purge(self)
+        self.cancelled = self.ended = True
+        self._stop()
+        self.out.purge(self)
         self.flushes.clear()
         if played_ms is None:
             played_ms = self.played_ms
@@ -269,17 +224,20 @@ class WsContext:
             if self.first_audio_sent_at is not None:
                 played_ms = min(self.sent_end_ms, (time.monotonic() - self.first_audio_sent_at) * 1000.0)
         msg = {"type": "context.cancelled", "context_id": self.id,
-               "generated_ms": round(self.generated_samples * 1000.0 / MODEL_RATE, 3),
+               "generated_ms": round(self.stream.generated_samples * 1000.0 / MODEL_RATE, 3),
                "sent_ms": round(self.sent_end_ms, 3), "played_ms": round(played_ms, 3)}
         if event_id is not None:
             msg["event_id"] = event_id
-        self.session.out.put(OutItem(dumps(msg), owner=self))
-        self.session.context_ended(self, "cancelled")
+        self.out.put(OutItem(dumps(msg), owner=self))
+        self.out.context_ended(self, "cancelled")
 
     def abandon(self) -> None:
         """The session is going away: stop the engine work, send nothing."""
-        self.cancelled = True
-        self.ended = True
-        self.ectx.cancel()
+        self.cancelled = self.ended = True
+        self._stop()
+
+    def _stop(self) -> None:
+        """The engine work and the pump stop (the pump may be the caller: it returns by itself)."""
+        self.stream.cancel()
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()

@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import json
 import logging
 import time
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from engine import SAMPLE_RATE, AudioChunk, ContextDone, ContextSpec, EngineError, Overloaded, SegmentDone
-from server.audio.stream import HttpAudioStream
-from server.audio.wav import wav_header
+from engine import SAMPLE_RATE, ContextDone, EngineError, Overloaded
+from server.audio.containers import AudioFile, open_audio_file
+from server.audio.stream import AudioStream
 from server.auth import bearer_token
 from server.logs import context_logger, current_trace
 from server.options import SAMPLING_FIELDS, ContextOptions, resolve_context_options
@@ -40,28 +37,23 @@ from server.protocol import (
     parse_json_object,
 )
 from server.runtime import Runtime
-from server.textpipe import bench_frames, encode_segments, estimated_frames
-
-if TYPE_CHECKING:
-    from engine import EngineContext
+from server.stream import ContextStream
+from server.text import encode_segments, segment_rule
 
 log = logging.getLogger("voicelane.http")
 RESPONSE_FORMATS = ("mp3", "pcm", "wav", "opus")
 STREAM_FORMATS = ("audio", "sse")
 TOP_LEVEL_SAMPLING = (*SAMPLING_FIELDS, "subtalker")
 RETRY_AFTER_S = "1"
-ENGINE_CHECK_S = 2.0
 BACKLOG_CHECK_S = 0.2
 
 
-def segment_rule(max_frames: int, bench_frames_per_word: int) -> tuple[int, Callable[[str], int]]:
-    """Frames of text per segment and how to count them, so that long input is spoken whole (each segment has
-    its own max_frames): half the frames a segment may make by a generous guess, with room for slow speech; in
-    the benchmark length mode a segment's frames are exact (N per word), so the whole budget is usable and text
-    that fits one segment is one segment, as on the WebSocket door."""
-    if bench_frames_per_word:
-        return max(bench_frames_per_word, max_frames), bench_frames(bench_frames_per_word)
-    return max(8, max_frames // 2), estimated_frames
+def sse_event(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def sse_audio(data: bytes) -> bytes:
+    return sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
 
 
 def error_response(code: str, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -202,18 +194,15 @@ async def speech(request: Request) -> Response:
                 raise ProtocolError("invalid_field", "instructions are not supported by this model (0.6B)",
                                     "instructions")
             instruction_ids = rt.tokenizer.encode("user\n" + req.options.instructions)
-        trace_id = uuid.uuid4().hex
-        spec = ContextSpec(voice=req.options.voice, language=req.options.language, instruction_ids=instruction_ids,
-                           text_layout=req.options.text_layout, sampling=req.options.sampling, trace_id=trace_id,
-                           reports_onset=True)
         try:
-            audio = HttpAudioStream(req.response_format, opus_complexity=rt.config.opus_complexity)
+            file = open_audio_file(req.response_format, opus_complexity=rt.config.opus_complexity)
         except RuntimeError as exc:
             raise ProtocolError("unsupported_format", str(exc), "response_format") from None
         fault = obj.get("test_fault") if rt.config.test_hooks else None
-        ectx = rt.engine.open_context(spec)
+        stream = ContextStream.open(rt.engine, req.options, instruction_ids,
+                                    AudioStream(file.output, segment_flush=False), rt.executor)
         if isinstance(fault, dict) and fault.get("kind") in ("exception", "nan"):  # test hook
-            ectx.inject_fault(fault["kind"], int(fault.get("at_frame") or 0))
+            stream.ectx.inject_fault(fault["kind"], int(fault.get("at_frame") or 0))
     except ProtocolError as exc:
         rt.metrics.errors.inc("http", exc.code)
         if exc.code in ("overloaded", "text_too_long"):
@@ -226,21 +215,16 @@ async def speech(request: Request) -> Response:
             rt.metrics.rejections.inc("http", "overloaded")
         return error_response(code, str(exc), exc.param)
     try:
-        for i, (ids, words) in enumerate(segments):
-            ectx.append_text(ids)
-            if i < len(segments) - 1:
-                ectx.flush(words)
-            else:
-                ectx.close(words)
+        stream.add_segments(segments)
     except EngineError as exc:  # e.g. whole-layout text longer than the prompt may be
-        ectx.cancel()
+        stream.cancel()
         rt.metrics.errors.inc("http", exc.code)
         return error_response(exc.code if exc.code in ERRORS else "internal", str(exc), exc.param)
-    clog = context_logger(trace_id)
-    clog.info("speech request: %d characters, %d tokens in %d segment(s), voice %s, %s%s, seed %d", len(req.text),
-              n_tokens, len(segments), req.options.voice, req.response_format,
-              " (sse)" if req.stream_format == "sse" else "", req.options.sampling.seed)
-    return SpeechStream(rt, req, ectx, audio, trace_id, n_tokens, t0)
+    context_logger(stream.trace_id).info(
+        "speech request: %d characters, %d tokens in %d segment(s), voice %s, %s%s, seed %d", len(req.text), n_tokens,
+        len(segments), req.options.voice, req.response_format, " (sse)" if req.stream_format == "sse" else "",
+        req.options.sampling.seed)
+    return SpeechStream(rt, req, stream, file, n_tokens, t0)
 
 
 async def _no_receive():
@@ -258,13 +242,11 @@ class SpeechStream(Response):
     """The response body, made as the engine produces audio; the engine context is cancelled if the client
     leaves or anything fails."""
 
-    def __init__(self, rt: Runtime, req: SpeechRequest, ectx: EngineContext, audio: HttpAudioStream,
-                 trace_id: str, n_tokens: int, t0: float):
-        self.rt, self.req, self.ectx, self.audio, self.trace_id = rt, req, ectx, audio, trace_id
-        self.n_tokens, self.t0 = n_tokens, t0
-        self.log = context_logger(trace_id)
-        self.frames = 0
-        self.codes = hashlib.sha256()
+    def __init__(self, rt: Runtime, req: SpeechRequest, stream: ContextStream, file: AudioFile, n_tokens: int,
+                 t0: float):
+        self.rt, self.req, self.stream, self.file, self.n_tokens, self.t0 = rt, req, stream, file, n_tokens, t0
+        self.ectx, self.audio, self.trace_id = stream.ectx, stream.audio, stream.trace_id
+        self.log = context_logger(self.trace_id)
         self.first_sent = False
         self.started = False  # response headers sent
         self.reason = "cancelled"
@@ -285,7 +267,7 @@ class SpeechStream(Response):
             done, _ = await asyncio.wait({watcher, backlog, worker, drain}, return_when=asyncio.FIRST_COMPLETED)
             if worker not in done:
                 if drain in done and watcher not in done:
-                    self.log.warning("drain deadline: cutting this stream after %d frames", self.frames)
+                    self.log.warning("drain deadline: cutting this stream after %d frames", self.stream.frames)
                     self.reason = "drained"
                 elif backlog in done:
                     self.log.warning("slow reader: over %g s of audio waited to be sent; closing",
@@ -319,7 +301,7 @@ class SpeechStream(Response):
             rt.metrics.active_contexts.dec("http")
             rt.metrics.contexts.inc("http", self.reason)
             self.log.info("speech request ended: %s, %d frames, %.0f ms of audio in %.0f ms", self.reason,
-                          self.frames, self.audio.audio_ms, (time.monotonic() - self.t0) * 1000)
+                          self.stream.frames, self.audio.encoded_ms, (time.monotonic() - self.t0) * 1000)
 
     async def _end_drained(self, send) -> None:
         """The drain deadline cut this request: a response not yet begun is a retryable 503; one under way ends
@@ -329,9 +311,7 @@ class SpeechStream(Response):
             await error_response("overloaded", "the server is draining and its deadline passed before this request "
                                  "finished; retry on another server")(self.scope, _no_receive, send)
             return
-        tail = b""
-        if self.req.stream_format == "sse":
-            tail = f"data: {json.dumps(self._sse_done())}\n\n".encode()
+        tail = sse_event(self._sse_done()) if self.req.stream_format == "sse" else b""
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _watch_backlog(self) -> None:
@@ -343,10 +323,10 @@ class SpeechStream(Response):
 
     def _sse_done(self) -> dict:
         return {"type": "speech.audio.done",
-                "usage": {"input_tokens": self.n_tokens, "output_tokens": self.frames,
-                          "total_tokens": self.n_tokens + self.frames},
-                "reason": self.reason, "seed": self.req.options.sampling.seed, "frames": self.frames,
-                "audio_ms": round(self.audio.audio_ms, 3), "codes_sha256": self.codes.hexdigest()}
+                "usage": {"input_tokens": self.n_tokens, "output_tokens": self.stream.frames,
+                          "total_tokens": self.n_tokens + self.stream.frames},
+                "reason": self.reason, "seed": self.req.options.sampling.seed, "frames": self.stream.frames,
+                "audio_ms": round(self.audio.encoded_ms, 3), "codes_sha256": self.stream.codes.hexdigest()}
 
     def _headers(self, content_type: str) -> list[tuple[bytes, bytes]]:
         h = {"content-type": content_type, "cache-control": "no-store", "x-seed": str(self.req.options.sampling.seed),
@@ -355,47 +335,19 @@ class SpeechStream(Response):
             h["x-sample-rate"] = "24000"
         return [(k.encode(), v.encode()) for k, v in h.items()]
 
-    async def _engine_events(self):
-        """The context's engine events; raises if the engine stops while we wait (never hangs the client)."""
-        it = self.ectx.events().__aiter__()
-        while True:
-            task = asyncio.ensure_future(it.__anext__())
-            try:
-                while True:
-                    done, _ = await asyncio.wait({task}, timeout=ENGINE_CHECK_S)
-                    if done:
-                        break
-                    if not self.rt.engine_running():
-                        raise RuntimeError("the engine stopped")
-            finally:
-                if not task.done():
-                    task.cancel()
-            try:
-                yield task.result()
-            except StopAsyncIteration:
-                return
-
     async def _events(self):
-        loop = asyncio.get_running_loop()
-        pool = self.rt.executor
-        async for ev in self._engine_events():
-            if isinstance(ev, AudioChunk):
-                self.frames += int(ev.codes.shape[0])
-                self.codes.update(ev.codes.astype("<i8", copy=False).tobytes())
-                body = await loop.run_in_executor(pool, self.audio.process, ev.pcm)
-                if self.audio.trimmer.passing:  # the onset: the segment's first-audio priority ends
-                    self.ectx.mark_audible(ev.segment)
-                yield body, None
-            elif isinstance(ev, SegmentDone):
-                if ev.reason == "max_frames":  # a segment cut short: the response says so even if later ones end
-                    self.segment_cut = True
-                yield await loop.run_in_executor(pool, self.audio.end_segment), None
-            elif isinstance(ev, ContextDone):
-                if ev.reason == "error":
-                    yield b"", ev
+        """(body bytes, the engine's ContextDone or None) as the stream makes audio."""
+        async for ev in self.stream.events(engine_running=self.rt.engine_running):
+            if ev.done is not None:
+                if ev.done.reason == "error":
+                    yield b"", ev.done
                     return
-                yield await loop.run_in_executor(pool, self.audio.finish), ev
+                tail = self.file.body(await self.stream.end_open_segment())
+                yield tail + self.file.end(await self.stream.close_audio()), ev.done
                 return
+            if ev.segment_done is not None and ev.segment_done.reason == "max_frames":
+                self.segment_cut = True  # a segment cut short: the response says so even if later ones end
+            yield self.file.body(ev.packets), None
 
     def _finish_reason(self, done: ContextDone | None) -> str:
         reason = done.reason if done is not None else "completed"
@@ -416,7 +368,7 @@ class SpeechStream(Response):
             return await self._whole(send)
         sse = self.req.stream_format == "sse"
         events = self._events()
-        pending = self.audio.header()
+        pending = self.file.header()
         self.started = started = False
         done_ev: ContextDone | None = None
         async for data, ev in events:
@@ -427,8 +379,8 @@ class SpeechStream(Response):
                 self.log.error("synthesis failed mid-stream: %s", ev.error_message)
                 if sse:
                     err = http_error_body(ev.error_code or "synthesis_failed", "synthesis failed mid-stream")
-                    await send({"type": "http.response.body", "more_body": False,
-                                "body": f"data: {json.dumps({'type': 'error', **err})}\n\n".encode()})
+                    await send({"type": "http.response.body", "body": sse_event({"type": "error", **err}),
+                                "more_body": False})
                 else:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
@@ -440,25 +392,21 @@ class SpeechStream(Response):
             pending = b""
             if not started:
                 self.started = started = True
-                content_type = "text/event-stream" if sse else self.audio.content_type
+                content_type = "text/event-stream" if sse else self.file.content_type
                 await send({"type": "http.response.start", "status": 200, "headers": self._headers(content_type)})
             if data:
                 self._note_audio(data)
-                body = (f"data: {json.dumps({'type': 'speech.audio.delta', 'audio': base64.b64encode(data).decode()})}"
-                        "\n\n").encode() if sse else data
-                await send({"type": "http.response.body", "body": body, "more_body": True})
+                await send({"type": "http.response.body", "body": sse_audio(data) if sse else data, "more_body": True})
         self.reason = self._finish_reason(done_ev)
-        self.rt.metrics.audio_seconds.inc("http", amount=self.audio.audio_ms / 1000.0)
-        tail = b""
-        if sse:
-            tail = f"data: {json.dumps(self._sse_done())}\n\n".encode()
+        self.rt.metrics.audio_seconds.inc("http", amount=self.audio.encoded_ms / 1000.0)
+        tail = sse_event(self._sse_done()) if sse else b""
         if not started:
             await send({"type": "http.response.start", "status": 200, "headers": self._headers(
-                "text/event-stream" if sse else self.audio.content_type)})
+                "text/event-stream" if sse else self.file.content_type)})
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _whole(self, send) -> None:
-        head = self.audio.header()  # before any audio: Ogg writes its header pages first, once
+        head = self.file.header()  # before any audio: Ogg writes its header pages first, once
         parts: list[bytes] = []
         done_ev = None
         async for data, ev in self._events():
@@ -468,19 +416,14 @@ class SpeechStream(Response):
             parts.append(data)
             done_ev = ev or done_ev
         self.reason = self._finish_reason(done_ev)
-        body = b"".join(parts)
-        if self.req.response_format == "wav":  # exact sizes: the length is known
-            body = wav_header(24000, num_samples=len(body) // 2) + body
-        else:
-            body = head + body
-        self.rt.metrics.audio_seconds.inc("http", amount=self.audio.audio_ms / 1000.0)
-        headers = self._headers(self.audio.content_type) + [
-            (b"content-length", str(len(body)).encode()), (b"x-codes-sha256", self.codes.hexdigest().encode()),
-            (b"x-frames", str(self.frames).encode()), (b"x-audio-ms", f"{self.audio.audio_ms:.3f}".encode()),
+        body = self.file.whole(head, b"".join(parts))
+        self.rt.metrics.audio_seconds.inc("http", amount=self.audio.encoded_ms / 1000.0)
+        headers = self._headers(self.file.content_type) + [
+            (b"content-length", str(len(body)).encode()), (b"x-codes-sha256", self.stream.codes.hexdigest().encode()),
+            (b"x-frames", str(self.stream.frames).encode()), (b"x-audio-ms", f"{self.audio.encoded_ms:.3f}".encode()),
             (b"x-finish-reason", self.reason.encode())]
         if self.req.stream_format == "sse":
-            body = (f"data: {json.dumps({'type': 'speech.audio.delta', 'audio': base64.b64encode(body).decode()})}"
-                    f"\n\ndata: {json.dumps(self._sse_done())}\n\n").encode()
+            body = sse_audio(body) + sse_event(self._sse_done())
             headers = [h for h in self._headers("text/event-stream")] + [(b"content-length", str(len(body)).encode())]
         self._note_audio(body)
         self.started = True

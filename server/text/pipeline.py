@@ -12,6 +12,9 @@ more message. When the normaliser holds exactly such a pending gap, whatever it 
 break or closing punctuation (or nothing at the end) - never a letter - so a pending chunk that is one run of
 letters (optionally after one leading non-letter, e.g. " world") or one digit is already final. It is committed
 then: "Hello " gives the ids of "Hello" at once, as the tokenizer alone would.
+
+A whole text (HTTP) is cut into segments at sentence ends where it can (encode_segments): each segment has its own
+frame budget (max_frames), so long input is spoken whole.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import unicodedata
 from collections.abc import Callable
 
 from engine import TextTokenizer
-from server.text_normalize import LlmTextNormalizer
+from server.text.normalize import LlmTextNormalizer
 
 
 def _final_word_chunk(s: str) -> bool:
@@ -38,18 +41,6 @@ def _final_word_chunk(s: str) -> bool:
     else:
         body = s[1:]
     return bool(body) and all(c.isalpha() for c in body)
-
-
-def _normalizer_holds_gap(n: LlmTextNormalizer) -> bool:
-    """True when the normaliser's next output can only start with whitespace or closing punctuation.
-
-    Reads the normaliser's whitespace stage; if its internals ever change, this answers False (no early commit,
-    still correct)."""
-    ws = getattr(n, "_ws", None)
-    if ws is None or getattr(ws, "out", None):
-        return False
-    return bool(getattr(ws, "started", False) and (getattr(ws, "gap_space", False)
-                                                    or getattr(ws, "gap_newline", False)))
 
 
 class TextPipeline:
@@ -72,7 +63,7 @@ class TextPipeline:
 
     def feed(self, text: str) -> list[int]:
         ids = self._tokenize(self.normalizer.feed(text))
-        if self.llm and _normalizer_holds_gap(self.normalizer) and _final_word_chunk(self.tokens.pending_text):
+        if self.llm and self.normalizer.holds_gap and _final_word_chunk(self.tokens.pending_text):
             ids += self.tokens.finish()
         self.ids_in_segment += len(ids)
         return ids
@@ -176,3 +167,13 @@ def encode_segments(tokenizer: TextTokenizer, text: str, normalization: str, bud
         if ids or rest:
             out.append((ids + rest, words))
     return out
+
+
+def segment_rule(max_frames: int, bench_frames_per_word: int) -> tuple[int, Callable[[str], int]]:
+    """Frames of text per segment and how to count them, so that long input is spoken whole (each segment has
+    its own max_frames): half the frames a segment may make by a generous guess, with room for slow speech; in
+    the benchmark length mode a segment's frames are exact (N per word), so the whole budget is usable and text
+    that fits one segment is one segment, as on the WebSocket door."""
+    if bench_frames_per_word:
+        return max(bench_frames_per_word, max_frames), bench_frames(bench_frames_per_word)
+    return max(8, max_frames // 2), estimated_frames

@@ -221,6 +221,14 @@ class LlmTextNormalizer:
         """Drop held-back text and state (cancel)."""
         self._reset()
 
+    @property
+    def holds_gap(self) -> bool:
+        """The whitespace after a word is held back, waiting for the next visible character: whatever comes out
+        next starts with a space, a line break or closing punctuation (or is nothing, at the end), never a
+        letter."""
+        ws = self._ws
+        return not ws.out and ws.started and (ws.gap_space or ws.gap_newline)
+
     # ------------------------------------------------------------------ driver
     def _run(self, eof: bool) -> None:
         while self._pos < len(self._buf):

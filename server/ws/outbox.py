@@ -1,4 +1,4 @@
-"""The outgoing side of one WebSocket: a FIFO of messages for the emit task, with its unsent account.
+"""The outgoing side of one WebSocket: a FIFO of messages for the emit task, with its unsent account and bounds.
 
 Unsent (queued or being written, not yet accepted by the transport) is what a client that does not read makes
 grow. Both the seconds of audio and the bytes of every message are counted: past the session's
@@ -14,10 +14,15 @@ purged, so per-context order always holds.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from server.config import Limits
+    from server.metrics import ServerMetrics
 
 RENDERED_BYTES = 512  # what a message built when written (context.done) is counted as until then
 MIN_COMPACT = 64  # dropped items tolerated before the FIFO is compacted
@@ -130,3 +135,49 @@ class OutQueue:
             self._q = deque(it for it in self._q if not it.dropped)
             self._dropped = 0
         return acc.items
+
+
+class Outbox(OutQueue):
+    """The session's outgoing FIFO as the session and its contexts write to it: `send` a JSON message, `put` an
+    item; after either, a client that does not read is caught before what waits for it passes either unsent bound
+    (`on_overflow(what, reason, message)` once, and the session closes with 4009). A context that ends says so
+    with `context_ended` (the session forgets it). This is all a context holds of its session."""
+
+    def __init__(self, limits: Limits, metrics: ServerMetrics, *, on_overflow: Callable[[str, str, str], None],
+                 on_context_ended: Callable[[Any, str], None]) -> None:
+        super().__init__()
+        self.limits, self.metrics = limits, metrics
+        self._on_overflow, self._on_context_ended = on_overflow, on_context_ended
+        self.closed = False  # the session is ending: a close is queued or about to be
+
+    def send(self, msg: dict) -> None:
+        if msg.get("type") == "error":
+            self.metrics.errors.inc("ws", msg["code"])
+        self.put(OutItem(dumps(msg)))
+        self.check_unsent()
+
+    def check_unsent(self) -> None:
+        if self.closed:
+            return
+        lim = self.limits
+        if self.unsent_s > lim.max_unsent_audio_s:
+            what = f"{self.unsent_s:.1f} s of audio unsent (limit {lim.max_unsent_audio_s:g} s)"
+            reason = "slow reader: unsent audio over max_unsent_audio_s"
+            message = (f"over {lim.max_unsent_audio_s:g} s of audio waited to be sent (limits.max_unsent_audio_s): "
+                       "read faster")
+        elif self.unsent_bytes > lim.max_unsent_bytes:
+            what = f"{self.unsent_bytes} bytes unsent (limit {lim.max_unsent_bytes})"
+            reason = "slow reader: unsent bytes over max_unsent_bytes"
+            message = (f"over {lim.max_unsent_bytes} bytes waited to be sent (limits.max_unsent_bytes): read what "
+                       "the server sends")
+        else:
+            return
+        self.metrics.slow_readers.inc()
+        self._on_overflow(what, reason, message)
+
+    def context_ended(self, ctx: Any, reason: str) -> None:
+        self._on_context_ended(ctx, reason)
+
+
+def dumps(msg: dict) -> str:
+    return json.dumps(msg, ensure_ascii=False, separators=(",", ":"))

@@ -1,8 +1,9 @@
 """`GET /v1/tts/ws`: one session per WebSocket (docs/protocol.md 1).
 
-Per socket: one receive task (parses and handles client messages in order; engine calls are cheap and never
-block), one emit task (writes the outgoing FIFO to the socket), one ticker (idle timeouts, draining, a dead
-engine), and one pump task per context (engine events -> audio packets; encoding runs in the thread pool).
+Per socket: one receive task (parses client messages in order and hands each to its handler in HANDLERS; engine
+calls are cheap and never block), one emit task (writes the outbox to the socket), one ticker (idle timeouts,
+draining, a dead engine), and one pump task per context (stream events -> frames; encoding runs in the thread
+pool). Contexts hold only the outbox: what they tell the session (an overflow, their end) comes through it.
 
 Every bad input is a typed, non-fatal error that names its context; only session-level failures close the socket
 (4001 unauthorized, 4003 origin, 4008 idle, 4009 slow reader, 4029 too many sessions, 1001 draining, 1011
@@ -18,83 +19,81 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from engine import EngineError, Overloaded
+from server.audio.encoders import OpusOutput, PcmOutput
+from server.audio.stream import AudioStream
 from server.auth import bearer_token, query_token, subprotocol_token
-from server.outqueue import OutItem, OutQueue
+from server.options import ContextOptions, resolve_context_options
 from server.protocol import (
     CLOSE_GOING_AWAY,
     CLOSE_INTERNAL,
+    CLOSE_NORMAL,
     ERRORS,
+    PLAYBACK_STATES,
     PROTOCOL_VERSION,
     SUBPROTOCOL,
     ProtocolError,
+    check_unicode,
+    get_bool,
+    get_flush_id,
+    get_id,
+    get_number,
+    get_str,
     is_unicode,
     is_valid_id,
+    parse_envelope,
     parse_json_object,
+    parse_played_map,
     ws_error,
+    ws_warning,
 )
 from server.ratelimit import RateLimiter
 from server.runtime import Runtime
-from server.ws_context import WsContext, dumps
-from server.ws_handlers import MessageHandlers
+from server.stream import ContextStream
+from server.ws.context import WsContext
+from server.ws.outbox import Outbox, OutItem, dumps
 
 log = logging.getLogger("voicelane.gateway")
 ENDED_IDS_KEPT = 4096  # ids of ended contexts remembered per socket (context_closed vs unknown_context)
 TICK_S = 0.25
 CLOSE_GRACE_S = 5.0
+FAULT_KINDS = ("exception", "nan", "internal")
 
 
-class WsSession(MessageHandlers):
-    """One WebSocket: its tasks, its outgoing FIFO, its contexts; the message handlers come from
-    MessageHandlers."""
+class WsSession:
+    """One WebSocket: its tasks, its outbox, its contexts, and the handler of every client message type."""
 
     def __init__(self, runtime: Runtime, websocket: WebSocket):
         self.runtime, self.ws = runtime, websocket
         self.id = uuid.uuid4().hex[:16]
         self.limits = runtime.limits
         self.defaults = runtime.defaults
-        self.out = OutQueue()
+        self.out = Outbox(self.limits, runtime.metrics, on_overflow=self._slow_reader,
+                          on_context_ended=self._context_ended)
         self.contexts: dict[str, WsContext] = {}
         self.ended_ids: OrderedDict[str, None] = OrderedDict()
         self._stream_ids = itertools.count(1)
         self.last_client_activity = time.monotonic()
-        self.ending = False
         self.close_code: int | None = None
         self.finished = asyncio.Event()
         self.draining_sent = False
 
     # ------------------------------------------------------------------ output
-    def send(self, msg: dict) -> None:
-        if msg.get("type") == "error":
-            self.runtime.metrics.errors.inc("ws", msg["code"])
-        self.out.put(OutItem(dumps(msg)))
-        self.check_unsent()
+    @property
+    def ending(self) -> bool:
+        return self.out.closed
 
     def error(self, exc: ProtocolError, *, context_id: str | None = None, event_id: Any = None) -> None:
-        self.send(ws_error(exc.code, exc.message, context_id=exc.context_id or context_id, event_id=event_id,
-                           param=exc.param))
+        self.out.send(ws_error(exc.code, exc.message, context_id=exc.context_id or context_id, event_id=event_id,
+                               param=exc.param))
 
-    def check_unsent(self) -> None:
+    def _slow_reader(self, what: str, reason: str, message: str) -> None:
         """A client that does not read ends with 4009 before what waits for it passes either bound."""
-        if self.ending:
-            return
-        lim = self.limits
-        if self.out.unsent_s > lim.max_unsent_audio_s:
-            what = f"{self.out.unsent_s:.1f} s of audio unsent (limit {lim.max_unsent_audio_s:g} s)"
-            reason = "slow reader: unsent audio over max_unsent_audio_s"
-            message = (f"over {lim.max_unsent_audio_s:g} s of audio waited to be sent (limits.max_unsent_audio_s): "
-                       "read faster")
-        elif self.out.unsent_bytes > lim.max_unsent_bytes:
-            what = f"{self.out.unsent_bytes} bytes unsent (limit {lim.max_unsent_bytes})"
-            reason = "slow reader: unsent bytes over max_unsent_bytes"
-            message = (f"over {lim.max_unsent_bytes} bytes waited to be sent (limits.max_unsent_bytes): read what "
-                       "the server sends")
-        else:
-            return
-        self.runtime.metrics.slow_readers.inc()
         log.warning("session %s: %s: slow reader, closing with 4009", self.id, what)
         self.end(ERRORS["slow_reader"].close_code, reason, error=ws_error("slow_reader", message), immediate=True)
 
@@ -103,11 +102,11 @@ class WsSession(MessageHandlers):
         optional error and the close. Open contexts are cancelled in the engine without messages."""
         if self.ending:
             return
-        self.ending = True
+        self.out.closed = True
         self.close_code = code
         for ctx in list(self.contexts.values()):
             ctx.abandon()
-            self.context_ended(ctx, "abandoned")
+            self._context_ended(ctx, "abandoned")
         if immediate:
             self.out.purge()
             self.out.put(OutItem(close=(code, reason)), front=True)
@@ -115,12 +114,13 @@ class WsSession(MessageHandlers):
                 self.out.put(OutItem(dumps(error)), front=True)
         else:
             if error is not None:
-                self.send(error)
+                self.out.send(error)
             self.out.put(OutItem(close=(code, reason)))
         asyncio.get_running_loop().call_later(CLOSE_GRACE_S if not immediate else 2 * CLOSE_GRACE_S,
                                               self.finished.set)
 
-    async def _emit(self) -> None:
+    async def emit(self) -> None:
+        """The emit task: the outbox, in order, to the socket."""
         try:
             while True:
                 item = await self.out.get()
@@ -166,8 +166,8 @@ class WsSession(MessageHandlers):
             if owner is not None and not owner.ended:
                 owner.fail(f"an outgoing message could not be written ({type(exc).__name__})")
             else:
-                self.send(ws_error("internal", f"server error: an outgoing message could not be written "
-                                   f"({type(exc).__name__}) and was dropped", context_id=cid))
+                self.out.send(ws_error("internal", f"server error: an outgoing message could not be written "
+                                       f"({type(exc).__name__}) and was dropped", context_id=cid))
             return None
 
     # ------------------------------------------------------------------ life cycle
@@ -175,10 +175,10 @@ class WsSession(MessageHandlers):
         rt = self.runtime
         rt.sessions.add(self)
         rt.metrics.sessions.inc()
-        emit = asyncio.create_task(self._emit(), name=f"ws-emit-{self.id}")
+        emit = asyncio.create_task(self.emit(), name=f"ws-emit-{self.id}")
         ticker = asyncio.create_task(self._tick(), name=f"ws-tick-{self.id}")
         recv = asyncio.create_task(self._receive(), name=f"ws-recv-{self.id}")
-        self.send(self._session_created())
+        self.out.send(self._session_created())
         if rt.draining:
             self.on_drain(max(0.0, (rt.drain_deadline or time.monotonic()) - time.monotonic()))
         try:
@@ -194,7 +194,7 @@ class WsSession(MessageHandlers):
         finally:
             for ctx in list(self.contexts.values()):
                 ctx.abandon()
-                self.context_ended(ctx, "abandoned")
+                self._context_ended(ctx, "abandoned")
             for t in (recv, ticker):
                 t.cancel()
             if not emit.done():
@@ -231,7 +231,7 @@ class WsSession(MessageHandlers):
     def on_drain(self, deadline_s: float) -> None:
         if not self.draining_sent and not self.ending:
             self.draining_sent = True
-            self.send({"type": "session.draining", "deadline_s": round(deadline_s, 3)})
+            self.out.send({"type": "session.draining", "deadline_s": round(deadline_s, 3)})
 
     async def _tick(self) -> None:
         rt = self.runtime
@@ -242,13 +242,13 @@ class WsSession(MessageHandlers):
                 for ctx in list(self.contexts.values()):
                     if not ctx.ended:
                         ctx.abandon()
-                        self.send(ws_error("internal", "the engine stopped", context_id=ctx.id))
-                        ctx._end_message("error")
+                        self.out.send(ws_error("internal", "the engine stopped", context_id=ctx.id))
+                        ctx.end("error")
                 self.end(CLOSE_INTERNAL, "engine stopped",
                          error=ws_error("internal", "the engine stopped; reconnect later", fatal=True))
                 return
             for ctx in list(self.contexts.values()):
-                if (not ctx.input_closed and not ctx.timeout_requested and not ctx.ended
+                if (not ctx.stream.input_closed and not ctx.timeout_requested and not ctx.ended
                         and now - ctx.last_activity > self.limits.context_idle_timeout_s):
                     ctx.log.info("context %s idle for %.0f s: ending with reason timeout", ctx.id,
                                  self.limits.context_idle_timeout_s)
@@ -275,6 +275,7 @@ class WsSession(MessageHandlers):
 
     # ------------------------------------------------------------------ input
     async def _receive(self) -> None:
+        """The receive task: client messages, paced and in order, to their handlers."""
         pace = RateLimiter(self.limits.max_messages_per_s, self.limits.message_burst)
         paced = False
         while True:
@@ -312,8 +313,217 @@ class WsSession(MessageHandlers):
                 await self.finished.wait()
                 return
 
+    # ------------------------------------------------------------------ messages
+    def handle(self, obj: dict) -> None:
+        # only ids that are valid may be echoed on the error (a lone surrogate cannot be written as UTF-8)
+        event_id = obj.get("event_id") if is_valid_id(obj.get("event_id")) else None
+        context_id = obj.get("context_id") if is_valid_id(obj.get("context_id")) else None
+        try:
+            check_unicode(obj)
+            env = parse_envelope(obj)
+            HANDLERS[env.type](self, env.body, env.event_id)
+        except ProtocolError as exc:
+            self.error(exc, context_id=context_id, event_id=event_id)
+        except EngineError as exc:
+            code = exc.code if exc.code in ERRORS else "internal"
+            self.out.send(ws_error(code, str(exc), context_id=context_id, event_id=event_id, param=exc.param))
+        except Exception as exc:  # noqa: BLE001 - a server fault answers `internal`; the socket survives
+            log.exception("session %s: internal error handling %r", self.id, obj.get("type"))
+            self.out.send(ws_error("internal", f"server error: {type(exc).__name__}", context_id=context_id,
+                                   event_id=event_id))
+
+    def _reply(self, msg: dict, event_id: Any) -> None:
+        if event_id is not None:
+            msg["event_id"] = event_id
+        self.out.send(msg)
+
+    def _lookup(self, body: dict, *, for_text: bool = False) -> WsContext | None:
+        """The open context named by `context_id`; ProtocolError for ended / unknown ones (None: unknown and
+        `for_text`, which creates it)."""
+        cid = get_id(body, "context_id")
+        ctx = self.contexts.get(cid)
+        if ctx is not None:
+            return ctx
+        if cid in self.ended_ids:
+            raise ProtocolError("context_closed", f"context {cid!r} has ended", "context_id", context_id=cid)
+        if for_text:
+            return None
+        raise ProtocolError("unknown_context", f"no context {cid!r} on this socket (create it with "
+                            "context.create or a first text)", "context_id", context_id=cid)
+
+    # ------------------------------------------------------------------ handlers
+    def on_ping(self, body: dict, event_id: Any) -> None:
+        self._reply({"type": "pong", "id": body.get("id")}, event_id)
+
+    def on_session_update(self, body: dict, event_id: Any) -> None:
+        rt = self.runtime
+        try:
+            self.defaults = self.defaults.updated(body.get("defaults"), rt.catalog, rt.sampling_base)
+        except ProtocolError as exc:  # docs/protocol.md 1.1: an invalid session.update is refused whole, invalid_field
+            raise ProtocolError("invalid_field", exc.message, exc.param or "defaults") from None
+        self._reply({"type": "session.updated", "defaults": self.defaults.to_dict(rt.sampling_base)}, event_id)
+
+    def on_session_close(self, body: dict, event_id: Any) -> None:
+        for ctx in list(self.contexts.values()):
+            ctx.cancel(None, event_id)
+        self.end(CLOSE_NORMAL, "session.close")
+
+    def on_context_create(self, body: dict, event_id: Any) -> None:
+        cid = get_id(body, "context_id")
+        if cid in self.contexts:
+            raise ProtocolError("duplicate_context", f"context {cid!r} is already open", "context_id", context_id=cid)
+        if cid in self.ended_ids:
+            raise ProtocolError("context_closed", f"context {cid!r} has ended; use a new id", "context_id",
+                                context_id=cid)
+        self._create(cid, body, event_id)
+
+    def _create(self, cid: str, body: dict, event_id: Any) -> WsContext:
+        rt = self.runtime
+        try:
+            opts = resolve_context_options(body, self.defaults, rt.catalog, rt.sampling_base,
+                                           max_frames_limit=rt.max_frames,
+                                           max_instruction_chars=self.limits.max_text_chars_per_message,
+                                           draw_seed=rt.draw_seed)
+            fault = self._fault(body)
+            if rt.draining:
+                raise ProtocolError("overloaded", "the server is draining: open new contexts on another server")
+            if len(self.contexts) >= self.limits.max_contexts:
+                rt.metrics.rejections.inc("ws", "context_limit")
+                raise ProtocolError("context_limit", f"{self.limits.max_contexts} contexts are open on this socket "
+                                    "(limits.max_contexts); close or cancel one first")
+            ctx = self._open(cid, opts)
+        except ProtocolError as exc:
+            exc.context_id = cid
+            if exc.code == "overloaded":
+                rt.metrics.rejections.inc("ws", "overloaded")
+            raise
+        except EngineError as exc:
+            if isinstance(exc, Overloaded):
+                rt.metrics.rejections.inc("ws", "overloaded")
+            raise ProtocolError(exc.code if exc.code in ERRORS else "internal", str(exc), exc.param,
+                                context_id=cid) from None
+        if fault is not None:
+            if fault[0] == "internal":
+                ctx.fault = "internal"
+            else:
+                ctx.ectx.inject_fault(fault[0], fault[1])
+        created: dict[str, Any] = {"type": "context.created", "context_id": cid, "stream_id": ctx.stream_id,
+                                   "trace_id": ctx.trace_id, "seed": opts.sampling.seed,
+                                   "output_format": opts.output_format.to_dict()}
+        if opts.output_format.is_opus:
+            created["opus"] = {"pre_skip": ctx.audio.pre_skip, "input_sample_rate": 24000}
+        self._reply(created, event_id)
+        ctx.task = asyncio.create_task(ctx.pump(), name=f"ws-ctx-{ctx.trace_id}")
+        ctx.log.info("context %s created on session %s: voice %s, language %s, %s via %s, seed %d, layout %s",
+                     cid, self.id, opts.voice, opts.language, opts.output_format.encoding, opts.audio_transport,
+                     opts.sampling.seed, opts.text_layout)
+        return ctx
+
+    def _fault(self, body: dict) -> tuple[str, int] | None:
+        spec = body.get("test_fault")
+        if spec is None or not self.runtime.config.test_hooks:
+            return None
+        if not isinstance(spec, dict):
+            raise ProtocolError("invalid_field", "'test_fault' must be an object", "test_fault")
+        kind = get_str(spec, "kind", required=True, choices=FAULT_KINDS, param="test_fault.kind")
+        at = int(get_number(spec, "at_frame", minimum=0, param="test_fault.at_frame") or 0)
+        return kind, at
+
+    def _open(self, cid: str, opts: ContextOptions) -> WsContext:
+        rt = self.runtime
+        instruction_ids = None
+        if opts.instructions is not None:
+            if not rt.info.supports_instructions:
+                raise ProtocolError("invalid_field", "instructions are not supported by this model (0.6B); drop "
+                                    "'instructions' or serve the 1.7B CustomVoice checkpoint", "instructions")
+            instruction_ids = rt.tokenizer.encode("user\n" + opts.instructions)
+        fmt = opts.output_format
+        try:
+            output = OpusOutput(fmt.bitrate, complexity=rt.config.opus_complexity) if fmt.is_opus else \
+                PcmOutput(fmt.encoding, fmt.sample_rate)
+        except RuntimeError as exc:  # codec library missing
+            raise ProtocolError("unsupported_format", str(exc), "output_format") from None
+        stream = ContextStream.open(rt.engine, opts, instruction_ids, AudioStream(output, segment_flush=True),
+                                    rt.executor, rt.tokenizer)  # InvalidRequest / Overloaded
+        ctx = WsContext(self.out, rt.metrics, cid, opts, stream, next(self._stream_ids) & 0xFFFFFFFF)
+        self.contexts[cid] = ctx
+        self.ended_ids.pop(cid, None)
+        rt.metrics.active_contexts.inc("ws")
+        return ctx
+
+    def on_text(self, body: dict, event_id: Any) -> None:
+        text = body.get("text")
+        if not isinstance(text, str):
+            raise ProtocolError("invalid_field", "'text' must be a string", "text")
+        get_str(body, "text")  # valid Unicode
+        flush = get_bool(body, "flush")
+        flush_id = get_flush_id(body)
+        if len(text) > self.limits.max_text_chars_per_message:
+            raise ProtocolError("text_too_long", f"{len(text)} characters in one message; limit "
+                                f"{self.limits.max_text_chars_per_message} (limits.max_text_chars_per_message)",
+                                "text")
+        ctx = self._lookup(body, for_text=True)
+        if ctx is None:
+            ctx = self._create(get_id(body, "context_id"), {}, event_id)
+        if ctx.stream.input_closed:
+            raise ProtocolError("context_closed", f"context {ctx.id!r} is closed (context.close was sent)", "text")
+        if ctx.text_chars + len(text) > self.limits.max_text_chars_per_context:
+            raise ProtocolError("text_too_long", f"context {ctx.id!r} would pass "
+                                f"{self.limits.max_text_chars_per_context} characters "
+                                "(limits.max_text_chars_per_context)", "text")
+        ctx.add_text(text)
+        if flush:
+            ctx.flush(flush_id, event_id)
+
+    def on_flush(self, body: dict, event_id: Any) -> None:
+        flush_id = get_flush_id(body)
+        ctx = self._lookup(body)
+        if ctx.stream.input_closed:
+            raise ProtocolError("context_closed", f"context {ctx.id!r} is closed (context.close was sent)",
+                                "context_id")
+        ctx.flush(flush_id, event_id)
+
+    def on_context_close(self, body: dict, event_id: Any) -> None:
+        ctx = self._lookup(body)
+        if ctx.stream.input_closed:
+            raise ProtocolError("context_closed", f"context {ctx.id!r} is already closed", "context_id")
+        ctx.close_event_id = event_id
+        ctx.close_input()
+
+    def on_context_cancel(self, body: dict, event_id: Any) -> None:
+        played = get_number(body, "played_ms", minimum=0)
+        cid = get_id(body, "context_id")
+        ctx = self.contexts.get(cid)
+        if ctx is None:
+            if cid in self.ended_ids:
+                self.out.send(ws_warning("context_not_active", f"context {cid!r} has already ended",
+                                         context_id=cid, event_id=event_id))
+                return
+            raise ProtocolError("unknown_context", f"no context {cid!r} on this socket", "context_id")
+        ctx.cancel(played, event_id)
+        ctx.log.info("context %s cancelled by the client", cid)
+
+    def on_cancel_all(self, body: dict, event_id: Any) -> None:
+        played = parse_played_map(body.get("played"))
+        for cid, ctx in list(self.contexts.items()):
+            ctx.cancel(played.get(cid), event_id)
+            ctx.log.info("context %s cancelled by cancel_all", cid)
+
+    def on_playback(self, body: dict, event_id: Any) -> None:
+        played = get_number(body, "played_ms", required=True, minimum=0)
+        state = get_str(body, "state", required=True, choices=PLAYBACK_STATES)
+        buffered = get_number(body, "buffered_ms", minimum=0)
+        cid = get_id(body, "context_id")
+        ctx = self.contexts.get(cid)
+        if ctx is None:
+            if cid in self.ended_ids:
+                return  # a late report for an ended context is accepted silently
+            raise ProtocolError("unknown_context", f"no context {cid!r} on this socket", "context_id")
+        self.runtime.metrics.playback_reports.inc(state)
+        ctx.report_playback(played, state, buffered)
+
     # ------------------------------------------------------------------ bookkeeping
-    def context_ended(self, ctx: WsContext, reason: str) -> None:
+    def _context_ended(self, ctx: WsContext, reason: str) -> None:
         if self.contexts.get(ctx.id) is not ctx:
             return
         del self.contexts[ctx.id]
@@ -325,7 +535,22 @@ class WsSession(MessageHandlers):
         m.active_contexts.dec("ws")
         m.contexts.inc("ws", reason)
         ctx.log.info("context %s ended: %s (frames %d, generated %.0f ms, sent %.0f ms)", ctx.id, reason,
-                     ctx.frames, ctx.generated_samples / 24.0, ctx.sent_end_ms)
+                     ctx.stream.frames, ctx.stream.generated_samples / 24.0, ctx.sent_end_ms)
+
+
+# What each client message does (docs/protocol.md 1.1), by its `type` (server.protocol.CLIENT_TYPES).
+HANDLERS: dict[str, Callable[[WsSession, dict, Any], None]] = {
+    "session.update": WsSession.on_session_update,
+    "session.close": WsSession.on_session_close,
+    "context.create": WsSession.on_context_create,
+    "text": WsSession.on_text,
+    "flush": WsSession.on_flush,
+    "context.close": WsSession.on_context_close,
+    "context.cancel": WsSession.on_context_cancel,
+    "cancel_all": WsSession.on_cancel_all,
+    "playback": WsSession.on_playback,
+    "ping": WsSession.on_ping,
+}
 
 
 def _uvicorn_protocol(ws: WebSocket):

@@ -1,0 +1,143 @@
+"""One output type per encoding: the model's trimmed float32 mono 24 kHz audio in, `AudioPacket`s out, for both
+doors. The doors lay the packets out as their framing: binary frames or JSON messages on the WebSocket, raw,
+WAV or Ogg bytes on HTTP (server.audio.containers).
+
+Every output: encode(x) -> the packets ready now; flush() -> the rest at a segment end, the stream going on (Opus
+pads under 9 ms of silence so every sample fed is decodable, PCM resampling emits its few-ms tail); close() -> the
+rest at the context end, after which encode() raises. `clock_rate` is the clock of `start_sample` (the 48 kHz
+decoder clock for Opus, else the output rate); `pre_skip` the Opus decoder's skip (0 otherwise); `audio_end_ms`
+the listener-timeline end of the audio flushed so far, counting the silence flushes inserted, since it is heard.
+
+These are plain synchronous objects, cheap per 80 ms chunk (well under a millisecond except Opus, about 0.2 ms
+per 20 ms packet): run their calls in a thread pool executor, never on the event loop, one call at a time per
+object, in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .mp3 import Mp3StreamEncoder
+from .opus import OpusStreamEncoder
+from .pcm import PcmEncoder
+
+MODEL_RATE = 24000
+
+
+@dataclass(frozen=True, slots=True)
+class AudioPacket:
+    payload: bytes  # one raw Opus packet, whole PCM samples, or MP3 bytes
+    start_sample: int  # on the output's clock_rate
+    samples: int  # duration on the output's clock_rate
+    segment_start: bool = False  # the first packet of a segment (the stream sets it, the encoders cannot know)
+
+
+class _Closable:
+    _closed = False
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what}() after close()")
+
+    def close(self) -> list[AudioPacket]:
+        packets = [] if self._closed else self.flush()  # type: ignore[attr-defined]
+        self._closed = True
+        return packets
+
+
+class PcmOutput(_Closable):
+    """s16le, f32le or mu-law at any rate (docs/protocol.md 1.4); the HTTP `pcm` and `wav` bodies are s16le at
+    24 kHz."""
+
+    pre_skip = 0
+
+    def __init__(self, encoding: str = "pcm_s16le", sample_rate: int = MODEL_RATE) -> None:
+        self._pcm = PcmEncoder(encoding, sample_rate, input_rate=MODEL_RATE)
+        self.clock_rate = sample_rate
+
+    def _packet(self, data: bytes, start: int) -> list[AudioPacket]:
+        return [AudioPacket(data, start, len(data) // self._pcm.bytes_per_sample)] if data else []
+
+    def encode(self, x: np.ndarray) -> list[AudioPacket]:
+        self._check_open("encode")
+        start = self._pcm.samples_out
+        return self._packet(self._pcm.encode(x), start)
+
+    def flush(self) -> list[AudioPacket]:
+        self._check_open("flush")
+        start = self._pcm.samples_out
+        return self._packet(self._pcm.finish(), start)
+
+    @property
+    def audio_end_ms(self) -> float:
+        return self._pcm.samples_out * 1000.0 / self.clock_rate
+
+
+class OpusOutput(_Closable):
+    """Raw 20 ms Opus packets; `end_sample` is the decoder-clock position just after the last real sample flushed
+    (an Ogg file's final granule)."""
+
+    clock_rate = 48000
+
+    def __init__(self, bitrate: int = 32000, *, complexity: int = 10) -> None:
+        self._opus = OpusStreamEncoder(MODEL_RATE, bitrate=bitrate, complexity=complexity)
+        self.pre_skip = self._opus.pre_skip
+
+    @staticmethod
+    def _packets(packets) -> list[AudioPacket]:
+        return [AudioPacket(p.data, p.start_sample, p.samples) for p in packets]
+
+    def encode(self, x: np.ndarray) -> list[AudioPacket]:
+        self._check_open("encode")
+        return self._packets(self._opus.encode(x))
+
+    def flush(self) -> list[AudioPacket]:
+        self._check_open("flush")
+        return self._packets(self._opus.flush())
+
+    @property
+    def end_sample(self) -> int:
+        return self._opus.audio_end
+
+    @property
+    def audio_end_ms(self) -> float:
+        return max(0, self._opus.audio_end - self.pre_skip) / 48.0
+
+
+class Mp3Output(_Closable):
+    """MP3 frames as LAME makes them (HTTP only). LAME holds audio back until close(), so a segment flush gives
+    nothing and packet times count the input samples consumed (24 kHz)."""
+
+    clock_rate = MODEL_RATE
+    pre_skip = 0
+
+    def __init__(self, bitrate_kbps: int = 64) -> None:
+        self._mp3 = Mp3StreamEncoder(MODEL_RATE, bitrate_kbps=bitrate_kbps)
+        self._samples_in = 0
+
+    def _packet(self, data: bytes, samples: int) -> list[AudioPacket]:
+        start = self._samples_in
+        self._samples_in += samples
+        return [AudioPacket(data, start, samples)] if data else []
+
+    def encode(self, x: np.ndarray) -> list[AudioPacket]:
+        self._check_open("encode")
+        return self._packet(self._mp3.encode(x), len(x))
+
+    def flush(self) -> list[AudioPacket]:
+        return []
+
+    def close(self) -> list[AudioPacket]:
+        if self._closed:
+            return []
+        self._closed = True
+        return self._packet(self._mp3.finish(), 0)
+
+    @property
+    def audio_end_ms(self) -> float:
+        return self._samples_in * 1000.0 / MODEL_RATE
+
+
+AudioOutput = PcmOutput | OpusOutput | Mp3Output
