@@ -190,3 +190,27 @@ def test_a_double_ctrl_c_stops_at_once_without_tracebacks(tiny_checkpoint):
     assert code == 130 and took < 10, (code, took, log[-3000:])
     assert "Traceback" not in log and "KeyboardInterrupt" not in log and "CancelledError" not in log, log[-3000:]
     assert "stopped by SIGINT without draining" in log
+
+
+def test_setup_says_what_torch_costs_and_takes_a_cpu_only_index():
+    """Item 8: on a laptop the pinned torch wheel pulled several GB of CUDA libraries silently. `make setup` now
+    says so, shows pip's progress, and takes TORCH_INDEX for a CPU-only wheel (what README documents)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+
+    def torch_lines(*args: str) -> list[str]:
+        venv = "/nonexistent/voicelane-dry-run-venv"  # -n: nothing runs, the recipe is only printed
+        out = subprocess.run(["make", "-n", "-B", f"VENV={venv}", f"{venv}/.installed", *args], cwd=root,
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        return [line for line in out.splitlines() if "torch==" in line]
+
+    cpu = "https://download.pytorch.org/whl/cpu"
+    default = torch_lines()
+    assert any("several GB" in line and cpu in line for line in default), default
+    install = [line for line in default if "pip install" in line]
+    assert install and all("--progress-bar on" in line and "--index-url" not in line for line in install), install
+    chosen = [line for line in torch_lines(f"TORCH_INDEX={cpu}") if "pip install" in line]
+    assert chosen and all(f"--index-url {cpu}" in line for line in chosen), chosen
+    assert f"TORCH_INDEX={cpu}" in (root / "README.md").read_text()
