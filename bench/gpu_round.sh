@@ -17,12 +17,18 @@ step() {  # [LIMIT=s] step NAME COMMAND...: run (killed after LIMIT s), log to O
   [ $rc -eq 0 ] || status=1
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+# TUNE=1: measure the skinny linear kernel against cuBLAS first; the steps after it run with the table it wrote.
+if [ -n "${TUNE:-}" ]; then
+  LIMIT=${TUNE_S:-240} step tune_linear python3 -m engine.tools.tune_linear "$OUT/linear"
+  export VOICELANE_LINEAR_TABLE=$OUT/linear/linear_table.json
+fi
 # The profile first: if a check hangs until its limit, the stage times still come back.
 LIMIT=${PROFILE_S:-200} step profile python3 -m engine.tools.profile_stages --model random:1.7b \
   --batches ${BATCHES:-1 8 32 64} --prompt-lens 16 64 --chunks ${CHUNKS:-1 4 12} --graphs on --out "$OUT/stages.json"
 LIMIT=${KERNELS_S:-160} step gpu_check_kernels python3 -m engine.tools.gpu_check_kernels "$OUT/kernels"
-LIMIT=${CODEC_S:-110} step gpu_check_codec python3 -m engine.tools.gpu_check_codec "$OUT/codec"
-LIMIT=${SAMPLER_S:-80} step gpu_check_sampler python3 -m engine.tools.gpu_check_sampler "$OUT/sampler"
+[ -z "${SKIP_CODEC:-}" ] && LIMIT=${CODEC_S:-110} step gpu_check_codec python3 -m engine.tools.gpu_check_codec "$OUT/codec"
+[ -z "${SKIP_SAMPLER:-}" ] && LIMIT=${SAMPLER_S:-80} step gpu_check_sampler python3 -m engine.tools.gpu_check_sampler \
+  "$OUT/sampler"
 [ -n "${ENGINE_TESTS:-}" ] && LIMIT=200 step engine_tests env VOICELANE_TEST_DEVICE=cuda python3 -m pytest -q -x tests/test_engine.py
 # The device tool returns at most 8 files: everything else travels as one archive.
 tar czf "$OUT/round.tgz" -C "$OUT" --exclude=round.tgz . 2>/dev/null

@@ -64,6 +64,17 @@ def compile_attention(dtype: str) -> None:
     _compile(attention._combine_splits_kernel, dtype, {"G": 2, "D": 128, "BLOCK_M": 16, "SPLITS": 16}, partials)
 
 
+def compile_linear(dtype: str) -> None:
+    from engine.kernels import linear
+
+    pointers = {"part_ptr": "*fp32", "ticket_ptr": "*i32"}
+    for swiglu, dot, split, block_m in ((False, True, False, 16), (True, True, True, 64), (True, False, True, 1),
+                                        (False, False, False, 4)):
+        _compile(linear._skinny_kernel, dtype,
+                 {"SWIGLU": swiglu, "DOT": dot, "IEEE": dtype == "fp32", "SPLIT": split, "INTERPRET": False,
+                  "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 256}, pointers)
+
+
 def _in_fresh_python(what: str, dtype: str) -> None:
     """Compile in a new interpreter without TRITON_INTERPRET: once the other kernel tests have run triton's
     interpreter in this process, its patched language objects break the real compiler."""
@@ -84,6 +95,11 @@ def test_attention_kernels_compile(dtype):
     _in_fresh_python("attention", dtype)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_linear_kernel_compiles(dtype):
+    _in_fresh_python("linear", dtype)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parents[1]))
-    {"norm": compile_norm, "attention": compile_attention}[sys.argv[1]](sys.argv[2])
+    {"norm": compile_norm, "attention": compile_attention, "linear": compile_linear}[sys.argv[1]](sys.argv[2])

@@ -43,7 +43,9 @@ def _greedy(model, frames: int) -> dict[int, torch.Tensor]:
     return {r: torch.stack(c) for r, c in codes.items()}
 
 
-def test_greedy_codes_identical_on_both_paths(model):
+@pytest.mark.parametrize("linear", ["cublas", "triton"])  # F.linear, or the skinny kernel for every decode GEMM
+def test_greedy_codes_identical_on_both_paths(model, linear, monkeypatch):
+    monkeypatch.setenv("VOICELANE_LINEAR", linear)
     with kernels.backend("torch"):
         reference = _greedy(model, 2)
     with kernels.backend("triton"):

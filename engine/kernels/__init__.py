@@ -110,5 +110,10 @@ def kernels_status() -> dict:
         version = triton.__version__
     wanted = choice()
     cuda = "torch" if wanted == "torch" or error is not None else "triton"
-    return {"cuda_kernels": cuda, "choice": wanted, "triton": version, "triton_error": error,
-            "interpret": os.environ.get("TRITON_INTERPRET", "0") == "1"}
+    status = {"cuda_kernels": cuda, "choice": wanted, "triton": version, "triton_error": error,
+              "interpret": os.environ.get("TRITON_INTERPRET", "0") == "1"}
+    if error is None:
+        from engine.kernels import linear
+
+        status |= linear.kernels_status()
+    return status

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model.config import TalkerConfig
-from engine.model.layers import AttentionBatch, DecoderStack, KVCache
+from engine.model.layers import AttentionBatch, DecoderStack, KVCache, dense
 
 log = logging.getLogger("voicelane.code_predictor")
 
@@ -100,7 +100,7 @@ class CodePredictor(nn.Module):
             batch = AttentionBatch(rows, every.positions[:, span], every.blocked[:, :, span], every.cos[:, span],
                                    every.sin_signed[:, span])
             h = self.model.run(x, batch, cache)[:, -1]  # [B, H_cp]
-            logits = self.lm_head[group - 1](h)  # [B, V]: the sampler reads the model dtype, no float copy
+            logits = dense(h, self.lm_head[group - 1].weight)  # [B, V] model dtype: the sampler reads it
             code = choose(group, logits)
             if forced is not None:
                 code = forced[:, group - 1]

@@ -74,6 +74,20 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     return x * cos[:, None] + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed[:, None]
 
 
+def dense(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
+    """x [..., in] @ weight [out, in]^T (x = [gate | up] of width 2 * in with swiglu: silu(gate) * up first).
+    The Triton path runs engine.kernels.linear, which picks the measured-faster of its skinny decode kernel and
+    cuBLAS per shape; the PyTorch path runs F.linear."""
+    if kernels.use_triton(x.device):
+        from engine.kernels.linear import linear
+
+        return linear(x, weight, swiglu)
+    if swiglu:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    return F.linear(x, weight)
+
+
 class FusedRows:
     """The weights of several bias-free nn.Linear over one input (or of several nn.Embedding tables), stacked by
     row into one matrix; each module's weight becomes a view of its rows. `weight` [sum of rows, columns]."""
@@ -108,7 +122,7 @@ class FusedRows:
 
     def project(self, x: Tensor) -> Tensor:
         """x [..., in] -> [..., sum of out_features]: every Linear's output side by side, from one GEMM."""
-        return F.linear(x, self.current())
+        return dense(x, self.current())
 
     def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
         """x [..., in] -> one output per Linear, views of the single GEMM's result."""
@@ -200,7 +214,7 @@ class Attention(nn.Module):
             q = fused.qk_norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, batch.cos,
                                          batch.sin_signed, k_cache, v_cache, batch.slots, batch.positions)
             out = fused.cache_attention(q, k_cache, v_cache, batch.slots, batch.positions, batch.valid_len)
-            return self.o_proj(out.view(B, T, -1))  # [B, T, H, D] -> [B, T, H * D]
+            return dense(out.view(B, T, -1), self.o_proj.weight)  # [B, T, H, D] -> [B, T, H * D]
         q = self.q_norm(q.view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -242,10 +256,9 @@ class MLP(nn.Module):
         self.gate_up = FusedRows(self.gate_proj, self.up_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        if kernels.use_triton(x.device):
-            from engine.kernels.norm import swiglu
-
-            return self.down_proj(swiglu(side_by_side(self.gate_up, (self.gate_proj, self.up_proj), x)))
+        if kernels.use_triton(x.device):  # SwiGLU inside the down projection's kernel (or its own kernel first)
+            return dense(side_by_side(self.gate_up, (self.gate_proj, self.up_proj), x), self.down_proj.weight,
+                         swiglu=True)
         gate, up = fused_or_separate(self.gate_up, (self.gate_proj, self.up_proj), x)
         return self.down_proj(F.silu(gate) * up)
 

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from engine.model.code_predictor import CodePredictor
 from engine.model.config import TalkerConfig
-from engine.model.layers import AttentionBatch, DecoderStack, FusedRows, KVCache
+from engine.model.layers import AttentionBatch, DecoderStack, FusedRows, KVCache, dense
 
 
 class TalkerStack(DecoderStack):
@@ -88,4 +88,4 @@ class Talker(nn.Module):
             hidden = hidden[:, 0]
         else:
             hidden = hidden[torch.arange(x.shape[0], device=x.device), last]  # [B, hidden]
-        return hidden, self.codec_head(hidden).float()
+        return hidden, dense(hidden, self.codec_head.weight).float()

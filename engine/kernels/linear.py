@@ -1,0 +1,255 @@
+"""Skinny linear layers in Triton: y = x @ W^T for the decode steps' few rows (M <= 64).
+
+At decode the Talker's and the Code Predictor's GEMMs are weight reads (4-48 MB each, at M = 1..64 rows), and
+cuBLAS's small-tile kernels read them at about a quarter of the H200's bandwidth (issue 11: the Code Predictor's
+gate/up GEMM, 12 MB, takes 11.4 us against a 2.8 us floor), with a separate split-K reduce kernel on top. Here
+each program owns BLOCK_N output columns and one of `split_k` slices of K, so the grid can cover every SM even
+for 1024 output columns; partial sums of a split go to a float32 scratch, and the last program to finish a
+column block (an atomic ticket) adds the slices in a fixed order and writes the output: one kernel, deterministic,
+and the ticket is reset by that program, so a CUDA graph can replay it.
+
+`swiglu=True` reads x as [gate | up] (width 2K) and multiplies by silu(gate) * up rounded to the activation
+dtype exactly as engine.kernels.norm.swiglu does: the MLP's down projection without its separate SwiGLU kernel.
+
+Which kernel runs for a shape is decided by measurement on the GPU (engine.tools.tune_linear writes the table
+engine/kernels/linear_table.json, per GPU name, per weight shape and row bucket): where cuBLAS measured faster,
+or for a GPU or shape the table does not hold, `linear()` runs F.linear, and `kernels_status()` says which GPU
+the table was tuned on. Rows above 64 (prefill) always go to cuBLAS.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from engine.kernels.norm import swiglu as swiglu_kernel
+from engine.kernels.norm import swiglu_reference
+
+log = logging.getLogger("voicelane.kernels.linear")
+
+MAX_ROWS = 64
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+TABLE_ENV = "VOICELANE_LINEAR_TABLE"  # another table file (the tuner's output, before it is committed)
+FORCE_ENV = "VOICELANE_LINEAR"  # "triton": DEFAULT_CONFIG for every shape without an entry (CPU tests); "cublas"
+TABLE_PATH = Path(__file__).with_name("linear_table.json")
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """One launch shape of the kernel. dot=False multiplies on CUDA cores (a row or four need no tensor core)."""
+
+    block_n: int = 32
+    block_k: int = 256
+    split_k: int = 1
+    dot: bool = True
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_CONFIG = LinearConfig()
+
+
+@triton.jit
+def _k_block(acc, x_ptr, w_ptr, rm, rn, k, m_ok, n_ok, K, stride_xm, stride_wn, SWIGLU: tl.constexpr,
+             DOT: tl.constexpr, IEEE: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += x[rm, k] @ w[rn, k]^T for one block of columns k of K."""
+    k_ok = k < K
+    x_mask = m_ok[:, None] & k_ok[None, :]
+    x_at = x_ptr + rm[:, None] * stride_xm + k[None, :]
+    if SWIGLU:  # x is [gate | up]: the rounding of engine.kernels.norm.swiglu, step by step
+        up = tl.load(x_at + K, mask=x_mask, other=0.0)
+        g = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(up.dtype)
+        a = (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    else:
+        a = tl.load(x_at, mask=x_mask, other=0.0)
+    w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    if DOT:
+        if IEEE:
+            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(w))
+    else:
+        acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_ym, split_k,
+                   k_span, SWIGLU: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+                   INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = pid_k * k_span  # k_span is a multiple of BLOCK_K: the slices tile K without overlap
+    k_hi = k_lo + k_span
+    if INTERPRET:  # triton 3.6's interpreter cannot take a device scalar as a range() bound (numpy >= 2)
+        k0 = k_lo
+        while k0 < k_hi:
+            acc = _k_block(acc, x_ptr, w_ptr, rm, rn, k0 + rk, m_ok, n_ok, K, stride_xm, stride_wn, SWIGLU, DOT, IEEE)
+            k0 += BLOCK_K
+    else:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            acc = _k_block(acc, x_ptr, w_ptr, rm, rn, k0 + rk, m_ok, n_ok, K, stride_xm, stride_wn, SWIGLU, DOT, IEEE)
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    y_at = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    if not SPLIT:
+        tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part_at = part_ptr + rm[:, None] * N + rn[None, :]
+        tl.store(part_at + pid_k * M * N, acc, mask=out_mask)
+        # acq_rel: this program's partials are visible before its ticket; the last one sees all of them
+        ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel")
+        if ticket == split_k - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            s = 0
+            while s < split_k:  # in split order: the sum does not depend on which program finished last
+                total += tl.load(part_at + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                s += 1
+            tl.store(y_at, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(ticket_ptr + pid_n, 0)  # ready for the next launch (graph replays included)
+
+
+_TICKETS: dict[tuple[str, int], Tensor] = {}
+
+
+def _tickets(device: torch.device, blocks: int) -> Tensor:
+    """Zeroed int32 tickets, one per column block, shared by every launch on the device (launches on one stream
+    run one after another, and each leaves its tickets at zero). Made before capture: the warm-up run makes it."""
+    key = (str(device), blocks)
+    if key not in _TICKETS:
+        _TICKETS[key] = torch.zeros(blocks, dtype=torch.int32, device=device)
+    return _TICKETS[key]
+
+
+def block_m(rows: int, dot: bool) -> int:
+    return max(16, triton.next_power_of_2(rows)) if dot else triton.next_power_of_2(rows)
+
+
+def skinny_linear(x: Tensor, weight: Tensor, config: LinearConfig = DEFAULT_CONFIG, swiglu: bool = False) -> Tensor:
+    """x [..., K] (or [..., 2K] = [gate | up] with swiglu) with at most 64 rows in all; weight [N, K] with
+    contiguous rows -> [..., N] in x's dtype."""
+    N, K = weight.shape
+    width = 2 * K if swiglu else K
+    if x.shape[-1] != width:
+        raise ValueError(f"skinny_linear: x has {x.shape[-1]} columns, the weight [{N}, {K}] needs {width}")
+    if weight.stride(1) != 1 or weight.dtype != x.dtype:
+        raise ValueError(f"skinny_linear: weight must be {x.dtype} with contiguous rows")
+    x2 = x.reshape(-1, width)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    if M > MAX_ROWS:
+        raise ValueError(f"skinny_linear: {M} rows, at most {MAX_ROWS}")
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y.view(*x.shape[:-1], N)
+    blocks = triton.cdiv(N, config.block_n)
+    splits = max(1, min(config.split_k, triton.cdiv(K, config.block_k)))
+    k_span = triton.cdiv(triton.cdiv(K, splits), config.block_k) * config.block_k
+    splits = triton.cdiv(K, k_span)
+    part = torch.empty(splits if splits > 1 else 0, M, N, dtype=torch.float32, device=x.device)
+    tickets = _tickets(x.device, blocks)  # read only with splits > 1
+    _skinny_kernel[(blocks, splits)](
+        x2, weight, y, part, tickets, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), splits, k_span,
+        SWIGLU=swiglu, DOT=config.dot, IEEE=x.dtype == torch.float32, SPLIT=splits > 1,
+        INTERPRET=_INTERPRET, BLOCK_M=block_m(M, config.dot), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return y.view(*x.shape[:-1], N)
+
+
+def reference(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
+    """What the PyTorch path computes: SwiGLU (when asked), then F.linear."""
+    return F.linear(swiglu_reference(x) if swiglu else x, weight)
+
+
+# --- the tuned table: which kernel each (GPU, weight shape, row bucket) runs --------------------------------------
+
+
+def _bucket(rows: int) -> int:
+    return next(b for b in ROW_BUCKETS if b >= rows)
+
+
+def _load_table() -> dict:
+    path = Path(os.environ.get(TABLE_ENV) or TABLE_PATH)
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())
+
+
+_table: dict | None = None
+_device_names: dict[str, str] = {}
+
+
+def table() -> dict:
+    """{gpu name: {"N,K,swiglu,rows": config dict or None (cuBLAS measured faster)}}."""
+    global _table
+    if _table is None:
+        _table = _load_table()
+    return _table
+
+
+def reload_table() -> None:
+    global _table
+    _table = None
+
+
+def _device_name(device: torch.device) -> str:
+    key = str(device)
+    if key not in _device_names:
+        _device_names[key] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return _device_names[key]
+
+
+def entry_key(N: int, K: int, swiglu: bool, rows: int) -> str:
+    return f"{N},{K},{int(swiglu)},{_bucket(rows)}"
+
+
+def choose(device: torch.device, N: int, K: int, rows: int, swiglu: bool) -> LinearConfig | None:
+    """The kernel config for this launch, or None for cuBLAS."""
+    force = os.environ.get(FORCE_ENV, "").strip().lower()
+    if rows > MAX_ROWS or force == "cublas":
+        return None
+    per_gpu = table().get(_device_name(device), {})
+    key = entry_key(N, K, swiglu, rows)
+    if key in per_gpu:
+        entry = per_gpu[key]
+        return None if entry is None else LinearConfig(**entry)
+    return DEFAULT_CONFIG if force == "triton" else None
+
+
+def linear(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
+    """The model's linear layer on the Triton path: x [..., K] (or [..., 2K] with swiglu) @ weight [N, K]^T,
+    by the tuned skinny kernel or by cuBLAS (engine.kernels.norm.swiglu first, for swiglu)."""
+    N, K = weight.shape
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    config = choose(x.device, N, K, rows, swiglu)
+    if config is not None:
+        return skinny_linear(x, weight, config, swiglu)
+    return F.linear(swiglu_kernel(x) if swiglu else x, weight)
+
+
+def kernels_status() -> dict:
+    """For readiness: the GPUs the table was tuned on, and how many shapes take the Triton kernel on each."""
+    return {"skinny_linear_tuned_for": {gpu: sum(v is not None for v in entries.values())
+                                        for gpu, entries in table().items()},
+            "skinny_linear_force": os.environ.get(FORCE_ENV) or None}
+
+
+def config_dict(config: LinearConfig | None) -> dict | None:
+    return None if config is None else asdict(config)

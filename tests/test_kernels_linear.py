@@ -1,0 +1,117 @@
+"""The skinny linear kernel against F.linear on the CPU (triton's interpreter): every launch shape it can take
+(one or more K slices, tensor-core or CUDA-core products, SwiGLU folded in), ragged edges, and the table that
+decides where it runs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are imported (they import lazily)
+pytest.importorskip("triton")
+if os.environ["TRITON_INTERPRET"] != "1":
+    pytest.skip("the kernel tests need TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
+
+from engine import kernels  # noqa: E402
+from engine.kernels import linear as kl  # noqa: E402
+from engine.model.layers import dense  # noqa: E402
+
+CONFIGS = [kl.LinearConfig(16, 32, 1, True, 4, 2), kl.LinearConfig(32, 64, 3, True, 4, 3),
+           kl.LinearConfig(16, 32, 4, False, 4, 2)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"n{c.block_n}k{c.block_k}s{c.split_k}dot{int(c.dot)}")
+@pytest.mark.parametrize("rows,N,K", [(1, 48, 96), (3, 40, 100), (17, 64, 130), (64, 24, 64)])
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_skinny_linear_matches_reference(config, rows, N, K, swiglu, dtype):
+    g = torch.Generator().manual_seed(rows * 1000 + N + K)
+    x = (2 * torch.randn(rows, 2 * K if swiglu else K, generator=g)).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    got = kl.skinny_linear(x, w, config, swiglu)
+    want = kl.reference(x.double(), w.double(), swiglu)
+    assert got.shape == (rows, N) and got.dtype == dtype
+    err = float((got.double() - want).abs().max() / want.abs().max())
+    assert err < (1e-6 if dtype == torch.float32 else 2e-3), err
+    assert int(kl._TICKETS[("cpu", -(-N // config.block_n))].abs().sum()) == 0  # left ready for a replay
+
+
+def test_split_sums_are_deterministic_and_leading_dims_kept():
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 3, 256, generator=g), torch.randn(40, 256, generator=g)
+    config = kl.LinearConfig(16, 32, 8, True, 4, 2)
+    first = kl.skinny_linear(x, w, config)
+    assert first.shape == (2, 3, 40)
+    assert torch.equal(first, kl.skinny_linear(x, w, config))
+    torch.testing.assert_close(first, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_skinny_linear_refuses_bad_shapes():
+    with pytest.raises(ValueError, match="columns"):
+        kl.skinny_linear(torch.randn(2, 10), torch.randn(4, 12))
+    with pytest.raises(ValueError, match="at most 64"):
+        kl.skinny_linear(torch.randn(65, 8), torch.randn(4, 8))
+
+
+def test_table_decides_per_gpu_shape_and_bucket(tmp_path, monkeypatch):
+    cpu = torch.device("cpu")
+    config = kl.LinearConfig(16, 32, 2, True, 4, 2)
+    table = {"cpu": {kl.entry_key(40, 64, False, 3): kl.config_dict(config), kl.entry_key(40, 64, False, 1): None},
+             "Some Other GPU": {kl.entry_key(40, 64, False, 16): kl.config_dict(config)}}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv(kl.TABLE_ENV, str(path))
+    monkeypatch.delenv(kl.FORCE_ENV, raising=False)
+    kl.reload_table()
+    try:
+        assert kl.choose(cpu, 40, 64, 3, False) == config
+        assert kl.choose(cpu, 40, 64, 4, False) == config  # rows 3 and 4 share the bucket 4
+        assert kl.choose(cpu, 40, 64, 1, False) is None  # cuBLAS measured faster
+        assert kl.choose(cpu, 40, 64, 16, False) is None  # tuned on another GPU only
+        assert kl.choose(cpu, 40, 64, 3, True) is None  # another shape
+        assert kl.choose(cpu, 40, 64, 65, False) is None  # prefill rows: cuBLAS
+        monkeypatch.setenv(kl.FORCE_ENV, "triton")
+        assert kl.choose(cpu, 40, 64, 16, False) == kl.DEFAULT_CONFIG
+        monkeypatch.setenv(kl.FORCE_ENV, "cublas")
+        assert kl.choose(cpu, 40, 64, 3, False) is None
+        assert kl.kernels_status()["skinny_linear_tuned_for"] == {"cpu": 1, "Some Other GPU": 1}
+    finally:
+        monkeypatch.delenv(kl.TABLE_ENV)
+        kl.reload_table()
+
+
+def test_dense_takes_the_kernel_on_the_triton_path(monkeypatch):
+    calls = []
+    real = kl.skinny_linear
+    monkeypatch.setattr(kl, "skinny_linear", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    monkeypatch.setenv(kl.FORCE_ENV, "triton")
+    x, w = torch.randn(2, 2 * 64), torch.randn(24, 64)
+    with kernels.backend("triton"):
+        got = dense(x, w, swiglu=True)
+    assert calls == [kl.DEFAULT_CONFIG]
+    with kernels.backend("torch"):
+        torch.testing.assert_close(got, dense(x, w, swiglu=True), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1  # the PyTorch path never launches it
+
+
+def test_tuner_smoke_writes_a_table_of_every_shape(tmp_path):
+    from engine.tools.tune_linear import main, shapes
+
+    assert main([str(tmp_path), "--smoke"]) == 0
+    record = json.loads((tmp_path / "linear_tune.json").read_text())
+    table = json.loads((tmp_path / "linear_table.json").read_text())["cpu"]
+    distinct = {(N, K, sw) for _, N, K, sw in shapes("tiny")}
+    assert len(record["rows"]) == 2 * len(distinct) and record["failures"] == 0
+    assert set(table) == {kl.entry_key(N, K, sw, r) for N, K, sw in distinct for r in (1, 3)}
+    assert all(c["ok"] for row in record["rows"] for c in row["candidates"])
+
+
+def test_shapes_of_the_1p7b_model():
+    from engine.tools.tune_linear import shapes
+
+    got = {name: (N, K, sw) for name, N, K, sw in shapes("1.7b")}
+    assert got["talker.gate_up"] == (12288, 2048, False) and got["talker.down"] == (2048, 6144, True)
+    assert got["cp.qkv"] == (4096, 1024, False) and got["cp.head"] == (2048, 1024, False)
