@@ -73,6 +73,7 @@ def test_table_decides_per_gpu_shape_and_bucket(tmp_path, monkeypatch):
         assert kl.choose(cpu, 40, 64, 16, False) is None  # tuned on another GPU only
         assert kl.choose(cpu, 40, 64, 3, True) is None  # another shape
         assert kl.choose(cpu, 40, 64, 65, False) is None  # prefill rows: cuBLAS
+        assert kl.choose(cpu, 40, 64, 3, False, torch.float32) is None  # measured in bfloat16 only
         monkeypatch.setenv(kl.FORCE_ENV, "triton")
         assert kl.choose(cpu, 40, 64, 16, False) == kl.DEFAULT_CONFIG
         monkeypatch.setenv(kl.FORCE_ENV, "cublas")

@@ -37,6 +37,7 @@ from engine.kernels.norm import swiglu_reference
 log = logging.getLogger("voicelane.kernels.linear")
 
 MAX_ROWS = 64
+TUNED_DTYPE = torch.bfloat16
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TABLE_ENV = "VOICELANE_LINEAR_TABLE"  # another table file (the tuner's output, before it is committed)
 FORCE_ENV = "VOICELANE_LINEAR"  # "triton": DEFAULT_CONFIG for every shape without an entry (CPU tests); "cublas"
@@ -220,12 +221,14 @@ def entry_key(N: int, K: int, swiglu: bool, rows: int) -> str:
     return f"{N},{K},{int(swiglu)},{_bucket(rows)}"
 
 
-def choose(device: torch.device, N: int, K: int, rows: int, swiglu: bool) -> LinearConfig | None:
-    """The kernel config for this launch, or None for cuBLAS."""
+def choose(device: torch.device, N: int, K: int, rows: int, swiglu: bool,
+           dtype: torch.dtype = torch.bfloat16) -> LinearConfig | None:
+    """The kernel config for this launch, or None for cuBLAS. The table is measured in bfloat16 (the serving
+    dtype); other dtypes take cuBLAS unless forced."""
     force = os.environ.get(FORCE_ENV, "").strip().lower()
     if rows > MAX_ROWS or force == "cublas":
         return None
-    per_gpu = table().get(_device_name(device), {})
+    per_gpu = table().get(_device_name(device), {}) if dtype == TUNED_DTYPE else {}
     key = entry_key(N, K, swiglu, rows)
     if key in per_gpu:
         entry = per_gpu[key]
@@ -238,7 +241,7 @@ def linear(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
     by the tuned skinny kernel or by cuBLAS (engine.kernels.norm.swiglu first, for swiglu)."""
     N, K = weight.shape
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    config = choose(x.device, N, K, rows, swiglu)
+    config = choose(x.device, N, K, rows, swiglu, x.dtype)
     if config is not None:
         return skinny_linear(x, weight, config, swiglu)
     return F.linear(swiglu_kernel(x) if swiglu else x, weight)
