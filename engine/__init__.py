@@ -31,8 +31,10 @@ from engine.model_source import (
     ModelSourceError,
     is_random,
     load_model,
+    resolve_device,
     resolve_dtype,
     resolve_dtype_name,
+    set_cpu_threads,
 )
 from engine.text.tokenizer import TextTokenizer
 from engine.types import (
@@ -93,6 +95,8 @@ __all__ = [
     "VoiceInfo",
     "is_random",
     "load_model",
+    "resolve_device",
     "resolve_dtype",
     "resolve_dtype_name",
+    "set_cpu_threads",
 ]

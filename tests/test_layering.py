@@ -132,6 +132,13 @@ def test_server_imports_only_the_engines_public_names():
     assert not offenders, offenders
 
 
+def test_server_never_imports_torch():
+    """Not even inside a function (server/cli.py included): what needs torch, the engine's public names do."""
+    offenders = [f"{path.relative_to(ROOT)}: {module}" for name, path in modules("server").items()
+                 for module, _ in imports(name, path) if module.split(".")[0] in ("torch", "triton")]
+    assert not offenders, offenders
+
+
 def test_every_public_name_exists():
     import engine
 
