@@ -54,7 +54,7 @@ from server.protocol import (
 )
 from server.ratelimit import RateLimiter
 from server.runtime import Runtime
-from server.stream import ContextStream
+from server.stream import ContextStream, instruction_ids
 from server.ws.context import WsContext
 from server.ws.outbox import Outbox, OutItem, dumps
 
@@ -431,19 +431,14 @@ class WsSession:
 
     def _open(self, cid: str, opts: ContextOptions) -> WsContext:
         rt = self.runtime
-        instruction_ids = None
-        if opts.instructions is not None:
-            if not rt.info.supports_instructions:
-                raise ProtocolError("invalid_field", "instructions are not supported by this model (0.6B); drop "
-                                    "'instructions' or serve the 1.7B CustomVoice checkpoint", "instructions")
-            instruction_ids = rt.tokenizer.encode("user\n" + opts.instructions)
+        instructions = instruction_ids(opts, rt.tokenizer, rt.info)
         fmt = opts.output_format
         try:
             output = OpusOutput(fmt.bitrate, complexity=rt.config.opus_complexity) if fmt.is_opus else \
                 PcmOutput(fmt.encoding, fmt.sample_rate)
         except RuntimeError as exc:  # codec library missing
             raise ProtocolError("unsupported_format", str(exc), "output_format") from None
-        stream = ContextStream.open(rt.engine, opts, instruction_ids, AudioStream(output, segment_flush=True),
+        stream = ContextStream.open(rt.engine, opts, instructions, AudioStream(output, segment_flush=True),
                                     rt.executor, rt.tokenizer)  # InvalidRequest / Overloaded
         ctx = WsContext(self.out, rt.metrics, cid, opts, stream, next(self._stream_ids) & 0xFFFFFFFF)
         self.contexts[cid] = ctx
