@@ -49,10 +49,9 @@ from engine.types import (
 )
 
 if TYPE_CHECKING:
-    from engine.engine import Context as EngineContext
-    from engine.engine import Engine
+    from engine.engine import Engine, EngineContext
 
-_NEEDS_TORCH = {"Engine": ("engine.engine", "Engine"), "EngineContext": ("engine.engine", "Context")}
+_NEEDS_TORCH = {"Engine": ("engine.engine", "Engine"), "EngineContext": ("engine.engine", "EngineContext")}
 
 
 def __getattr__(name: str):
