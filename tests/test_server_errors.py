@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from fake_engine import FakeEngine
 from live_server import Raw, collect, live_server, run, speak_ctx
 
 
@@ -208,31 +209,6 @@ def test_lone_surrogates_are_invalid_field(server):
 # ------------------------------------------------------------------------------------------- one text for both doors
 
 
-class SmallModelEngine:
-    """An engine serving a 0.6B-like model, which takes no instructions; no context may reach it."""
-
-    def __init__(self):
-        from engine import ModelInfo, SamplingParams, VoiceInfo
-
-        self.sampling_defaults = SamplingParams()
-        self.info = ModelInfo(name="small", model_size="0b6", voices=[VoiceInfo("ryan", ["auto", "english"])],
-                              languages=["auto", "english"], supports_instructions=False, random_weights=True,
-                              sampling_defaults=self.sampling_defaults)
-
-    def readiness(self):
-        from engine import FastPath, Readiness
-
-        off = FastPath(False, "fake")
-        return Readiness(model_loaded=True, warmed_up=True, engine_running=True, device="cpu", dtype="float32",
-                         cuda_graphs=off, triton_attention=off, random_weights=True)
-
-    def open_context(self, spec):
-        raise AssertionError("instructions on a model without them must be refused before the engine")
-
-    def stop(self) -> None:
-        pass
-
-
 def test_instructions_on_a_model_without_them_are_refused_alike_by_both_doors(tiny_checkpoint):
     """Both doors build a context's instruction ids with one function (server.stream.instruction_ids): one error,
     one text, the same param, whichever door the request came in by."""
@@ -246,7 +222,7 @@ def test_instructions_on_a_model_without_them_are_refused_alike_by_both_doors(ti
     from server.runtime import Runtime
     from server.stream import NO_INSTRUCTIONS
 
-    rt = Runtime(ServerConfig(), SmallModelEngine(), TextTokenizer.from_dir(tiny_checkpoint))
+    rt = Runtime(ServerConfig(), FakeEngine(supports_instructions=False), TextTokenizer.from_dir(tiny_checkpoint))
     with TestClient(create_app(rt)) as client:
         r = client.post("/v1/audio/speech", json={"input": "Hello there.", "instructions": "Speak warmly.",
                                                   "response_format": "pcm"})
