@@ -31,8 +31,10 @@ from engine.model_source import (
     ModelSourceError,
     is_random,
     load_model,
+    resolve_device,
     resolve_dtype,
     resolve_dtype_name,
+    set_cpu_threads,
 )
 from engine.text.tokenizer import TextTokenizer
 from engine.types import (
@@ -47,10 +49,9 @@ from engine.types import (
 )
 
 if TYPE_CHECKING:
-    from engine.engine import Context as EngineContext
-    from engine.engine import Engine
+    from engine.engine import Engine, EngineContext
 
-_NEEDS_TORCH = {"Engine": ("engine.engine", "Engine"), "EngineContext": ("engine.engine", "Context")}
+_NEEDS_TORCH = {"Engine": ("engine.engine", "Engine"), "EngineContext": ("engine.engine", "EngineContext")}
 
 
 def __getattr__(name: str):
@@ -93,6 +94,8 @@ __all__ = [
     "VoiceInfo",
     "is_random",
     "load_model",
+    "resolve_device",
     "resolve_dtype",
     "resolve_dtype_name",
+    "set_cpu_threads",
 ]

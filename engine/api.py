@@ -56,7 +56,7 @@ class ContextSpec:
     text_layout: str = "dual"  # "dual" (text may stream in) or "whole" (all text before the first frame)
     sampling: SamplingParams = field(default_factory=SamplingParams)  # seed, min/max frames included
     trace_id: str = ""  # carried into the engine's timeline and logs
-    # the consumer trims leading silence and calls Context.mark_audible at each segment's onset: until then the
+    # the consumer trims leading silence and calls EngineContext.mark_audible at each segment's onset: until then the
     # segment keeps first-audio priority (a consumer that does not report keeps it until the first chunk)
     reports_onset: bool = False
 

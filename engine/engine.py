@@ -28,7 +28,7 @@ from engine.model.checkpoint import LoadedModel
 from engine.model.prompt import LAYOUTS, PromptError, instruction_ids, resolve_voice, spoken_languages
 from engine.model.sampling_params import SamplingError, SamplingParams
 from engine.runner import Runner
-from engine.scheduler import AdmissionRefused, ContextSetup, Scheduler
+from engine.scheduler import AdmissionRefused, Scheduler
 from engine.trace import Timeline
 from engine.types import AudioChunk, ContextDone, EngineEvent, EngineStats, FastPath, Readiness
 
@@ -36,8 +36,8 @@ log = logging.getLogger("voicelane.engine")
 PLAYBACK_STATES = ("buffering", "playing", "underrun", "finished")
 
 
-class Context:
-    """One open stream of speech. Created by Engine.open_context."""
+class EngineContext:
+    """The engine's handle on one open context (one stream of speech), made by Engine.open_context."""
 
     def __init__(self, engine: Engine, cid: int, spec: ContextSpec, loop: asyncio.AbstractEventLoop):
         self.engine, self.cid, self.spec = engine, cid, spec
@@ -141,7 +141,7 @@ class Engine:
         lead = self.config.scheduler.plan_lead_s if self.runner.device.type == "cuda" else 0.0
         self.core = EngineCore(self.scheduler, self.runner, self._deliver, self.timeline, plan_lead_s=lead)
         self.core.on_crash = self._fail_everything
-        self.contexts: dict[int, Context] = {}
+        self.contexts: dict[int, EngineContext] = {}
         self.sampling_defaults = SamplingParams.from_generation_config(loaded.config.generation).with_overrides(
             max_frames=min(2048, self.config.max_frames))
         self.info = self._model_info()
@@ -192,7 +192,7 @@ class Engine:
         voice = resolve_voice(self.loaded.config, next(iter(self.loaded.config.talker.speaker_ids)), "auto")
         sampling = self.sampling_defaults.with_overrides(max_frames=frames, min_frames=0)
         with self.core.lock:
-            cid = self.scheduler.open_context(ContextSetup(voice, None, "dual"), sampling, t0)
+            cid = self.scheduler.open_context(voice, sampling, t0)
             self.scheduler.append_text(cid, [9707, 11, 1879, 0], t0)  # "Hello, world!"
             self.scheduler.end_segment(cid, 2, t0, close=True)
         self.core.run_until_idle()
@@ -219,7 +219,7 @@ class Engine:
         self.core.stop()
 
     # ------------------------------------------------------------------ contexts
-    def open_context(self, spec: ContextSpec) -> Context:
+    def open_context(self, spec: ContextSpec) -> EngineContext:
         cfg = self.loaded.config
         try:
             voice = resolve_voice(cfg, spec.voice, spec.language)
@@ -237,14 +237,14 @@ class Engine:
                                  f"limit {self.config.max_frames}", "max_frames")
         if self.core.crashed is not None:
             raise EngineError(f"the engine has stopped ({type(self.core.crashed).__name__}); restart the server")
-        setup = ContextSetup(voice, instruction, spec.text_layout, spec.reports_onset)
         loop = asyncio.get_running_loop()
         with self.core.lock:
             try:
-                cid = self.scheduler.open_context(setup, spec.sampling, time.monotonic())
+                cid = self.scheduler.open_context(voice, spec.sampling, time.monotonic(), layout=spec.text_layout,
+                                                  instruction=instruction, reports_onset=spec.reports_onset)
             except AdmissionRefused as exc:
                 raise Overloaded(str(exc)) from None
-            ctx = Context(self, cid, spec, loop)
+            ctx = EngineContext(self, cid, spec, loop)
             self.contexts[cid] = ctx
         self.timeline.name_context(cid, spec.trace_id)
         return ctx
@@ -269,7 +269,7 @@ class Engine:
 
     def _deliver(self, events: list[EngineEvent]) -> None:
         """Route the scheduler's events to the contexts' queues (called on the engine thread or inside a call)."""
-        routed: dict[int, tuple[Context, list[EngineEvent]]] = {}
+        routed: dict[int, tuple[EngineContext, list[EngineEvent]]] = {}
         for e in events:
             ctx = self.contexts.get(e.cid)
             if ctx is None:

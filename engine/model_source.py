@@ -4,7 +4,9 @@ embedded default), or `random:1.7b` / `random:0.6b` / `random:tiny` (random weig
 Cache folder: $VOICELANE_CACHE, else ~/.cache/voicelane. Folders are written under a temporary name and renamed
 into place, so concurrent first starts never see half a checkpoint.
 
-Importing this module loads no torch (the server parses its flags with it): torch comes with the first model.
+`--device`, `--dtype` and `--cpu-threads` resolve here too (resolve_device, resolve_dtype, set_cpu_threads), so the
+server's CLI never touches torch itself. Importing this module loads no torch (the server parses its flags with it):
+torch comes with the first model or the first of those calls that needs it.
 """
 
 from __future__ import annotations
@@ -89,6 +91,23 @@ def tokenizer_dir() -> Path:
     from engine.text.tokenizer_files import write_tokenizer_files
 
     return _make_once(cache_dir() / TOKENIZER_DIR, lambda d: write_tokenizer_files(d))
+
+
+def resolve_device(name: str) -> str:
+    """--device as a torch device name: "auto" is cuda where a CUDA device is available, else cpu."""
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def set_cpu_threads(threads: int) -> None:
+    """How many threads torch runs CPU work on (0: torch's default, left as it is)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def resolve_dtype_name(name: str | None, device: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.model.prompt import Prompt
+from engine.model.prompt import Prompt, Voice
 from engine.model.sampling_params import SamplingParams
 
 FRAME_S = 0.08  # one frame = 80 ms of audio
@@ -44,9 +44,14 @@ class PlaybackClock:
 
 @dataclass
 class ContextState:
+    """The scheduler's record of one open context: what it was opened with, and where it is."""
+
     cid: int
     slot: int  # cache row shared by the context's segments, one at a time
     sampling: SamplingParams
+    voice: Voice  # resolved speaker and language
+    layout: str  # "dual" (text may stream in) or "whole"
+    instruction: list[int] | None = None  # ids of "user\n{instructions}" (1.7B only)
     clock: PlaybackClock = field(default_factory=PlaybackClock)
     segments_started: int = 0
     audio_samples: int = 0  # context timeline position (end of audio emitted)

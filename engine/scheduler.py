@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -54,14 +53,6 @@ class AdmissionRefused(Exception):
         super().__init__(reason)
 
 
-@dataclass
-class ContextSetup:
-    voice: Voice
-    instruction: list[int] | None
-    layout: str
-    reports_onset: bool = False  # the consumer calls mark_audible per segment (the server's silence trimmer)
-
-
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, model_cfg: ModelConfig, timeline=None):
         cfg.validate()
@@ -69,7 +60,6 @@ class Scheduler:
         self.costs = CostModel()
         self.timeline = timeline
         self.contexts: dict[int, ContextState] = {}
-        self.setups: dict[int, ContextSetup] = {}
         self.segments: dict[int, deque[Request]] = {}  # per context: head is the active segment
         self.requests: dict[int, Request] = {}  # rid -> live request
         self.free_slots = list(range(cfg.max_slots - 1, -1, -1))
@@ -81,11 +71,14 @@ class Scheduler:
         self.outbox: list[EngineEvent] = []  # events not yet handed to the engine, in order
 
     # ------------------------------------------------------------------ context operations
-    def open_context(self, setup: ContextSetup, sampling: SamplingParams, now: float) -> int:
+    def open_context(self, voice: Voice, sampling: SamplingParams, now: float, *, layout: str = "dual",
+                     instruction: list[int] | None = None, reports_onset: bool = False) -> int:
+        """Admit a context (AdmissionRefused if not). `instruction`: the wrapped instruction's ids;
+        `reports_onset`: the consumer calls mark_audible per segment (the server's silence trimmer)."""
         self._check_admission(now)
         cid = next(self._ids)
-        ctx = ContextState(cid=cid, slot=self.free_slots.pop(), sampling=sampling, reports_onset=setup.reports_onset)
-        self.contexts[cid], self.setups[cid] = ctx, setup
+        self.contexts[cid] = ContextState(cid=cid, slot=self.free_slots.pop(), sampling=sampling, voice=voice,
+                                          layout=layout, instruction=instruction, reports_onset=reports_onset)
         self.segments[cid] = deque()
         self._trace(cid, "admitted", now)
         return cid
@@ -128,11 +121,10 @@ class Scheduler:
         queue, ctx = self.segments[cid], self.contexts[cid]
         if queue and not queue[-1].text_complete:
             return queue[-1]
-        setup = self.setups[cid]
         seg = ctx.segments_started
         ctx.segments_started += 1
         sampling = ctx.sampling.with_overrides(seed=(ctx.sampling.seed + seg) % 2**63)
-        req = Request(rid=next(self._ids), context=ctx, segment=seg, arrival=now, layout=setup.layout,
+        req = Request(rid=next(self._ids), context=ctx, segment=seg, arrival=now, layout=ctx.layout,
                       sampling=sampling)
         queue.append(req)
         self.requests[req.rid] = req
@@ -357,9 +349,8 @@ class Scheduler:
 
     def _advance(self, r: Request, stage: Stage, chunk: int, now: float) -> RowPlan:
         if stage == Stage.PREFILL:
-            setup = self.setups[r.context.cid]
             text = r.text_ids if r.layout == "whole" else r.text_ids[:1]
-            r.prompt = build_prompt(self.model_cfg, setup.voice, text, r.layout, setup.instruction)
+            r.prompt = build_prompt(self.model_cfg, r.context.voice, text, r.layout, r.context.instruction)
             r.prefilled, r.code0_made = True, 1
             self._trace(r.context.cid, "prefill", now, segment=r.segment)
             return RowPlan(r.rid, r.context.cid, r.slot, 0, prompt=r.prompt, sampling=r.sampling,
@@ -456,7 +447,6 @@ class Scheduler:
             self.requests.pop(r.rid, None)
             self._last_served.pop(r.rid, None)
         del self.contexts[ctx.cid]
-        del self.setups[ctx.cid]
         self.free_slots.append(ctx.slot)
         code = "synthesis_failed" if reason == "error" else None
         self.outbox.append(ContextDone(reason, ctx.audio_samples, error_code=code, error_message=error, cid=ctx.cid))

@@ -11,8 +11,8 @@ One utterance's path, and who produces and who consumes each type:
     Scheduler.update(StageResult) -> the events, in order: AudioChunk per codec chunk, SegmentDone per segment
                                  (flush), ContextDone once at the end (Scheduler.cancel / fail / end_segment emit
                                  theirs through Scheduler.drain_outbox). Each carries the engine context id `cid`.
-    Engine._deliver(events)   -> each context's asyncio queue; Context.events() (engine/engine.py) yields them to
-                                 the server unchanged, ending with ContextDone.
+    Engine._deliver(events)   -> each context's asyncio queue; EngineContext.events() (engine/engine.py) yields them
+                                 to the server unchanged, ending with ContextDone.
 
 Beside the data path, what the server reads about the engine: Scheduler.stats() -> SchedulerStats, which
 Engine.stats() extends into EngineStats with the loop's StageStats (/metrics, the test-state hook), and
@@ -101,7 +101,7 @@ class AudioChunk:
     segment: int  # 0, 1, ...
     first_frame: int  # frame index within the segment of pcm[0]
     codes: np.ndarray  # int64 [frames, 16]: the codes this audio was decoded from
-    cid: int = 0  # engine context id (1, 2, ...): which Context's queue the event goes to
+    cid: int = 0  # engine context id (1, 2, ...): which EngineContext's queue the event goes to
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ class EngineStats(SchedulerStats):
 
     stages: dict[str, StageStats]  # stage name -> counters, for the stages that have run
     kv_cache_bytes: int
-    open_contexts: int  # Context objects whose ContextDone has not been delivered
+    open_contexts: int  # EngineContext objects whose ContextDone has not been delivered
 
 
 # ---------------------------------------------------------------------------------------------- readiness

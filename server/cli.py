@@ -19,7 +19,20 @@ import sys
 import time
 from dataclasses import replace
 
-from engine import EngineConfig, SchedulerConfig
+from engine import (
+    RANDOM_NOTICE,
+    RANDOM_SIZES,
+    TINY_RANDOM,
+    EngineConfig,
+    SchedulerConfig,
+    TextTokenizer,
+    is_random,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_dtype_name,
+    set_cpu_threads,
+)
 from server.auth import keys_from_env, read_key_file
 from server.config import Limits, Secret, ServerConfig, ServerConfigError
 from server.logs import setup_logging
@@ -113,14 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_device(name: str) -> str:
-    if name != "auto":
-        return name
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 RANDOM_FRAMES_PER_WORD = 5  # about 2.5 words per second, like real speech
 
 
@@ -133,13 +138,9 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
             raise ServerConfigError(f"--api-key-file {f}: {exc.strerror}") from None
     keys += keys_from_env()
     device = resolve_device(a.device)
-    from engine import resolve_dtype_name
-
     dtype = resolve_dtype_name(a.dtype, device)
     bench = a.bench_frames_per_word
     if bench is None:
-        from engine import is_random
-
         bench = RANDOM_FRAMES_PER_WORD if is_random(a.model) else 0
     sched = replace(SchedulerConfig(), max_slots=a.max_slots, bench_frames_per_word=bench,
                     admission_load=a.admission_load, safety_lead_s=a.safety_lead_s,
@@ -171,8 +172,6 @@ def check_model_spec(spec: str) -> None:
     """Fail fast on a --model that cannot work (the load itself runs later, on a thread)."""
     from pathlib import Path
 
-    from engine import RANDOM_SIZES, TINY_RANDOM
-
     if spec == TINY_RANDOM:
         return
     if spec.startswith("random:"):
@@ -186,8 +185,6 @@ def check_model_spec(spec: str) -> None:
 
 
 def print_config(cfg: ServerConfig) -> None:
-    from engine import RANDOM_NOTICE, is_random
-
     d = cfg.describe()
     d["engine"]["scheduler"]["chunk_ramp"] = list(cfg.engine.scheduler.chunk_ramp)
     print("voicelane: resolved configuration", file=sys.stderr)
@@ -199,12 +196,10 @@ def print_config(cfg: ServerConfig) -> None:
 
 def make_loader(cfg: ServerConfig):
     def load():
-        import torch
+        from engine import Engine  # its first use imports torch
 
-        from engine import RANDOM_NOTICE, Engine, TextTokenizer, is_random, load_model, resolve_dtype
-
-        if cfg.device == "cpu" and cfg.cpu_threads:
-            torch.set_num_threads(cfg.cpu_threads)
+        if cfg.device == "cpu":
+            set_cpu_threads(cfg.cpu_threads)
         t0 = time.monotonic()
         loaded = load_model(cfg.model, cfg.device, resolve_dtype(cfg.dtype, cfg.device), cfg.random_seed)
         log.info("model %s loaded in %.1f s on %s (%s)", cfg.model, time.monotonic() - t0, loaded.device,

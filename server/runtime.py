@@ -151,7 +151,7 @@ class Runtime:
     # ------------------------------------------------------------------ draining
     def start_drain(self) -> None:
         """On the event loop: refuse new work, let work in flight finish until the deadline, then cut it (each
-        WebSocket session at its next tick, each HTTP stream through `drain_expired`)."""
+        WebSocket session at its next deadline check, each HTTP stream through `drain_expired`)."""
         if self.draining:
             return
         self.draining = True

@@ -4,7 +4,9 @@ and its audio stream (trim -> encode).
 Text in: `add_text` (WebSocket: pieces as they come) or `add_segments` (HTTP: the whole text, already cut into
 segments), then `flush` / `close_input`. Audio out: `events()` turns the engine's events into `StreamEvent`s, the
 encoding run on the thread pool; `close_audio()` gives the output's last packets. A door only lays packets out
-as its framing and answers its protocol's messages.
+as its framing and answers its protocol's messages. Before a stream opens, both doors resolve the context's
+options (server.options: voice, language, sampling; one Catalog) and its instruction ids (`instruction_ids`) with
+the same functions, so a refusal reads the same on both.
 """
 
 from __future__ import annotations
@@ -21,12 +23,25 @@ from engine import AudioChunk, ContextDone, ContextSpec, SegmentDone
 from server.audio.encoders import AudioPacket
 from server.audio.stream import AudioStream
 from server.options import ContextOptions
+from server.protocol import ProtocolError
 from server.text import TextPipeline
 
 if TYPE_CHECKING:
-    from engine import Engine, EngineContext, TextTokenizer
+    from engine import Engine, EngineContext, ModelInfo, TextTokenizer
 
 ENGINE_CHECK_S = 2.0
+NO_INSTRUCTIONS = ("instructions are not supported by this model (0.6B); drop 'instructions' or serve the 1.7B "
+                   "CustomVoice checkpoint")
+
+
+def instruction_ids(opts: ContextOptions, tokenizer: TextTokenizer, info: ModelInfo) -> list[int] | None:
+    """The ids of the context's `instructions` as the engine takes them ("user\n" + the text), the same for both
+    doors; None without instructions. A model that takes none (0.6B) refuses them: invalid_field, `instructions`."""
+    if opts.instructions is None:
+        return None
+    if not info.supports_instructions:
+        raise ProtocolError("invalid_field", NO_INSTRUCTIONS, "instructions")
+    return tokenizer.encode("user\n" + opts.instructions)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,11 +9,13 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from fake_engine import FakeEngine
 from live_server import Raw, collect, live_server, run, speak_ctx
 
 from server.config import ServerConfig
 from server.metrics import ServerMetrics
 from server.protocol import ProtocolError, check_unicode, lone_surrogate_path, parse_played_map
+from server.runtime import Runtime
 from server.ws.outbox import OutItem
 from server.ws.session import WsSession
 
@@ -151,3 +153,24 @@ def test_one_unwritable_message_drops_only_that_context():
     assert len(ws.sent) == 3
     assert broken.failures and other.failures  # each context whose message failed was ended (by its fail())
     assert ws.closed == (1000, "bye")  # the emit task lived on to the close
+
+
+class FloodingSocket(FakeSocket):
+    """A client that never pauses: a ping is always waiting to be received."""
+
+    async def receive(self) -> dict:
+        return {"type": "websocket.receive", "text": '{"type":"ping"}'}
+
+
+def test_a_client_that_never_pauses_still_meets_the_sessions_deadlines():
+    """The receive task checks the session's deadlines (idle timeouts, draining, a dead engine) between messages
+    too, not only while it waits for one: a flood of messages must not keep a session open on a dead engine."""
+    async def go():
+        rt = Runtime(ServerConfig(), FakeEngine(running=False), SimpleNamespace())
+        ws = FloodingSocket()
+        await asyncio.wait_for(WsSession(rt, ws).run(), 10)
+        return ws
+    ws = asyncio.run(go())
+    assert ws.closed is not None and ws.closed[0] == 1011, ws.closed
+    errors = [json.loads(m) for m in ws.sent if isinstance(m, str) and '"error"' in m]
+    assert errors and errors[-1]["code"] == "internal" and "engine stopped" in errors[-1]["message"]

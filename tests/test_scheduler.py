@@ -14,7 +14,7 @@ from engine.model.config import ModelConfig
 from engine.model.presets import model_config
 from engine.model.prompt import resolve_voice
 from engine.model.sampling_params import SamplingParams
-from engine.scheduler import AdmissionRefused, ContextSetup, Scheduler
+from engine.scheduler import AdmissionRefused, Scheduler
 from engine.trace import Timeline
 from engine.types import AudioChunk, ContextDone, Stage, StagePlan, StageResult
 
@@ -71,8 +71,8 @@ def make(cfg: SchedulerConfig | None = None, eos_at=None):
 
 
 def open_ctx(sched, clock, words=3, close=True, max_frames=50, layout="dual", min_frames=2):
-    setup = ContextSetup(resolve_voice(MODEL, "ryan", "english"), None, layout)
-    cid = sched.open_context(setup, SamplingParams(max_frames=max_frames, min_frames=min_frames), clock())
+    cid = sched.open_context(resolve_voice(MODEL, "ryan", "english"),
+                             SamplingParams(max_frames=max_frames, min_frames=min_frames), clock(), layout=layout)
     if words:
         sched.append_text(cid, list(range(100, 100 + words)), clock())
     if close:
@@ -327,8 +327,8 @@ def serve(sched, runner, clock, until, limit=500):
 def playing_and_newcomer(policy, reports_onset=False):
     """One stream playing with some slack (2 chunks, 240 ms, out), then a newcomer."""
     sched, _, runner, clock, _ = make(SchedulerConfig(max_slots=16, policy=policy))
-    setup = ContextSetup(resolve_voice(MODEL, "ryan", "english"), None, "whole", reports_onset)
-    a = sched.open_context(setup, SamplingParams(max_frames=200, min_frames=200), clock())
+    a = sched.open_context(resolve_voice(MODEL, "ryan", "english"), SamplingParams(max_frames=200, min_frames=200),
+                           clock(), layout="whole", reports_onset=reports_onset)
     sched.append_text(a, list(range(100, 140)), clock())
     sched.end_segment(a, 40, clock(), close=True)
     serve(sched, runner, clock, lambda em: len(audio(em, a)) >= 2)
@@ -366,8 +366,8 @@ def test_first_audio_class_holds_until_the_reported_onset():
     voice = resolve_voice(MODEL, "ryan", "english")
     cids = {}
     for name, reports in (("reports", True), ("silent", True), ("plain", False)):
-        cids[name] = sched.open_context(ContextSetup(voice, None, "whole", reports),
-                                        SamplingParams(max_frames=40, min_frames=40), clock())
+        cids[name] = sched.open_context(voice, SamplingParams(max_frames=40, min_frames=40), clock(), layout="whole",
+                                        reports_onset=reports)
         sched.append_text(cids[name], [100, 101, 102], clock())
         sched.end_segment(cids[name], 3, clock(), close=True)
     head = {name: sched.segments[cid][0] for name, cid in cids.items()}

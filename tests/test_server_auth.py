@@ -96,16 +96,24 @@ def test_origins(strict):
     assert status == 200 and headers.get("access-control-allow-origin") == "http://allowed.example"
 
 
-def sessions_open(server) -> int:
+def gauge(server, name: str) -> float:
     _, _, text = http_get(server.http_url + "/metrics", {"Authorization": "Bearer metrics-secret"})
-    line = next(x for x in text.decode().splitlines() if x.startswith("voicelane_ws_sessions "))
-    return int(float(line.split()[-1]))
+    line = next(x for x in text.decode().splitlines() if x.startswith(name + " "))
+    return float(line.split()[-1])
+
+
+def sessions_open(server) -> int:
+    return int(gauge(server, "voicelane_ws_sessions"))
+
+
+def wait_until_none(server, name: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while gauge(server, name) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def wait_no_sessions(server, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while sessions_open(server) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until_none(server, "voicelane_ws_sessions", timeout)
 
 
 def test_max_sessions(strict):
@@ -159,9 +167,30 @@ def test_session_idle_timeout(strict):
 
 def test_slow_reader_is_disconnected(strict):
     """A client that stops reading: unsent audio passes max_unsent_audio_s (1 s) and the server closes with
-    4009 instead of buffering; the client sees the close once it reads again."""
+    4009 instead of buffering; the client sees the close once it reads again.
 
+    What the client does not read first fills the socket buffers, and the server's send buffer grows with the
+    traffic up to net.ipv4.tcp_wmem's limit (4 MB here). Asked for 1.5 MB of audio (3 contexts of one 64-frame
+    segment), the test passed only when the contexts' audio came fast enough to back up before the buffer grew: a
+    slower engine (a loaded machine), or a context refused by admission, let the buffers take all of it, nothing
+    was ever unsent, and the session closed idle (4008). So: every context admitted (a refusal is retried), and
+    8.8 MB asked for (3 contexts of six 64-frame segments of f32 audio), twice what any buffer here holds."""
+
+    wait_until_none(strict, "voicelane_engine_open_contexts")  # --max-slots 3: lingering contexts would refuse ours
     before = strict.log_text().count("slow reader")
+    segment = "many " * 13  # 13 words: 65 frames in benchmark length mode, cut at 64 (--max-frames 64)
+
+    async def create(ws, cid: str) -> None:
+        for _ in range(100):
+            await ws.send(json.dumps({"type": "context.create", "context_id": cid, "min_frames": 64,
+                                      "output_format": {"encoding": "pcm_f32le", "sample_rate": 24000}}))
+            while (reply := json.loads(await asyncio.wait_for(ws.recv(), 30))).get("context_id") != cid:
+                pass
+            if reply["type"] == "context.created":
+                return
+            assert reply["type"] == "error" and reply["retryable"], reply  # overloaded: try again
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"context {cid} was never admitted")
 
     async def go():
         sock = socket.socket()
@@ -172,11 +201,12 @@ def test_slow_reader_is_disconnected(strict):
                            max_size=None) as ws:
             assert json.loads(await ws.recv())["type"] == "session.created"
             for i in range(3):
-                await ws.send(json.dumps({"type": "context.create", "context_id": f"s{i}", "min_frames": 64,
-                                          "output_format": {"encoding": "pcm_f32le", "sample_rate": 24000}}))
-                await ws.send(json.dumps({"type": "text", "context_id": f"s{i}", "text": "many words " * 10}))
+                await create(ws, f"s{i}")
+            for i in range(3):
+                for _ in range(6):  # 6 x 65 characters: within --max-text-chars-per-context 400
+                    await ws.send(json.dumps({"type": "text", "context_id": f"s{i}", "text": segment, "flush": True}))
                 await ws.send(json.dumps({"type": "context.close", "context_id": f"s{i}"}))
-            # read nothing (3 x 64 frames of f32 audio are about 1.5 MB) until the server gives up on us
+            # read nothing until the server gives up on us
             deadline = time.monotonic() + 60
             while strict.log_text().count("slow reader") == before and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)

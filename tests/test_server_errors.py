@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from fake_engine import FakeEngine
 from live_server import Raw, collect, live_server, run, speak_ctx
 
 
@@ -203,3 +204,34 @@ def test_lone_surrogates_are_invalid_field(server):
         await raw.close()
 
     run(go())
+
+
+# ------------------------------------------------------------------------------------------- one text for both doors
+
+
+def test_instructions_on_a_model_without_them_are_refused_alike_by_both_doors(tiny_checkpoint):
+    """Both doors build a context's instruction ids with one function (server.stream.instruction_ids): one error,
+    one text, the same param, whichever door the request came in by."""
+    import json
+
+    from starlette.testclient import TestClient
+
+    from engine import TextTokenizer
+    from server.app import create_app
+    from server.config import ServerConfig
+    from server.runtime import Runtime
+    from server.stream import NO_INSTRUCTIONS
+
+    rt = Runtime(ServerConfig(), FakeEngine(supports_instructions=False), TextTokenizer.from_dir(tiny_checkpoint))
+    with TestClient(create_app(rt)) as client:
+        r = client.post("/v1/audio/speech", json={"input": "Hello there.", "instructions": "Speak warmly.",
+                                                  "response_format": "pcm"})
+        assert r.status_code == 400, r.text
+        http = r.json()["error"]
+        with client.websocket_connect("/v1/tts/ws") as ws:
+            assert json.loads(ws.receive_text())["type"] == "session.created"
+            ws.send_text(json.dumps({"type": "context.create", "context_id": "c", "instructions": "Speak warmly."}))
+            wire = json.loads(ws.receive_text())
+    check(wire, "invalid_field", context_id="c", param="instructions")
+    assert http["code"] == "invalid_field" and http["param"] == "instructions"
+    assert wire["message"] == http["message"] == NO_INSTRUCTIONS

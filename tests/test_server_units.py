@@ -261,6 +261,25 @@ def test_cli_resolves_flags_keys_and_hides_them(tmp_path, monkeypatch, capsys):
         config_from_args(build_parser().parse_args(["serve", "--model", str(tmp_path)]))
 
 
+def test_cli_device_and_threads_go_through_the_engine():
+    """server/cli.py names no torch: `--device auto` and `--cpu-threads` are the engine's resolve_device and
+    set_cpu_threads."""
+    import torch
+
+    from engine import resolve_device, set_cpu_threads
+
+    assert resolve_device("cpu") == "cpu" and resolve_device("cuda:1") == "cuda:1"
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    before = torch.get_num_threads()
+    try:
+        set_cpu_threads(0)  # 0: torch's default, untouched
+        assert torch.get_num_threads() == before
+        set_cpu_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_every_client_message_type_has_a_handler():
     """The session dispatches on `type` through its table: a type the envelope accepts but the table lacks would
     answer `internal` instead of doing its job."""

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.model.layers import apply_rope, attention
+from engine.model.attention_ops import apply_rope, attention
 
 
 @triton.jit
@@ -317,7 +317,7 @@ def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, 
 
 def cache_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor,
                               valid_len: Tensor | None = None, kv_len: int | None = None) -> Tensor:
-    """The PyTorch path (gathered keys and values, a mask, engine.model.layers.attention); same contract.
+    """The PyTorch path (gathered keys and values, a mask, engine.model.attention_ops.attention); same contract.
     kv_len: columns gathered (> every position), as the model's bucket gives it; None: read from positions."""
     S = kv_len if kv_len is not None else int(positions.max()) + 1
     cols = torch.arange(S, device=q.device)

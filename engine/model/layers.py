@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine import kernels
+from engine.model.attention_ops import apply_rope, attention
 from engine.model.config import DecoderStackConfig
 
 log = logging.getLogger("voicelane.layers")
@@ -66,12 +67,6 @@ def signed_sin(sin: Tensor) -> Tensor:
     """sin [..., D] -> [-sin[:D/2], sin[D/2:]]: folds rotate-half's negation into the table, once per forward."""
     half = sin.shape[-1] // 2
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
-    """NeoX RoPE, x * cos + rotate_half(x) * sin, bit for bit: rotate_half(x) * sin = roll(x) * signed_sin.
-    x [B, H, T, D]; cos, sin_signed [B, T, D]."""
-    return x * cos[:, None] + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed[:, None]
 
 
 def dense(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
@@ -228,20 +223,6 @@ class Attention(nn.Module):
         values = v_cache[batch.slots, :, :S]
         out = attention(q, keys, values, batch.blocked)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-
-
-def attention(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor) -> Tensor:
-    """Grouped-query attention with an fp32 softmax. q [B, H, T, D]; k, v [B, Hkv, S, D]; blocked [B, 1, T, S]
-    (True: no attention).
-    Query head h reads key/value head h // (H / Hkv); the G query heads of one kv head go through one matmul as
-    G*T rows, so keys and values are never copied G times."""
-    B, H, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    grouped = q.reshape(B, Hkv, (H // Hkv) * T, D)  # [B, Hkv, G*T, D]
-    scores = torch.matmul(grouped, k.transpose(2, 3)).view(B, H, T, S) * D**-0.5  # [B, H, T, S]
-    scores = scores.masked_fill(blocked, torch.finfo(scores.dtype).min)
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs.view(B, Hkv, (H // Hkv) * T, S), v).view(B, H, T, D)
 
 
 class MLP(nn.Module):

@@ -22,7 +22,7 @@ from engine.model.presets import model_config
 from engine.model.prompt import resolve_voice
 from engine.model.sampling_params import SamplingParams
 from engine.request import FRAME_S
-from engine.scheduler import AdmissionRefused, ContextSetup, Scheduler
+from engine.scheduler import AdmissionRefused, Scheduler
 from engine.sim.device import Events, SimClock, SimRunner
 from engine.sim.profile import StageProfile
 from engine.sim.workload import Arrival
@@ -151,8 +151,8 @@ class Simulation:
         a = x.arrival
         layout = "whole" if a.mode == "whole" else "dual"
         try:
-            x.cid = self._call(self.scheduler.open_context, ContextSetup(self.voice, None, layout, True),
-                               SamplingParams(seed=a.index, min_frames=0), t)
+            x.cid = self._call(lambda: self.scheduler.open_context(
+                self.voice, SamplingParams(seed=a.index, min_frames=0), t, layout=layout, reports_onset=True))
         except AdmissionRefused as exc:
             x.refused = str(exc)
             return

@@ -37,7 +37,7 @@ from server.protocol import (
     parse_json_object,
 )
 from server.runtime import Runtime
-from server.stream import ContextStream
+from server.stream import ContextStream, instruction_ids
 from server.text import encode_segments, segment_rule
 
 log = logging.getLogger("voicelane.http")
@@ -188,18 +188,13 @@ async def speech(request: Request) -> Response:
         n_tokens = sum(len(ids) for ids, _ in segments)
         if not n_tokens:
             raise ProtocolError("invalid_field", "'input' has nothing to speak after text normalisation", "input")
-        instruction_ids = None
-        if req.options.instructions is not None:
-            if not rt.info.supports_instructions:
-                raise ProtocolError("invalid_field", "instructions are not supported by this model (0.6B)",
-                                    "instructions")
-            instruction_ids = rt.tokenizer.encode("user\n" + req.options.instructions)
+        instructions = instruction_ids(req.options, rt.tokenizer, rt.info)
         try:
             file = open_audio_file(req.response_format, opus_complexity=rt.config.opus_complexity)
         except RuntimeError as exc:
             raise ProtocolError("unsupported_format", str(exc), "response_format") from None
         fault = obj.get("test_fault") if rt.config.test_hooks else None
-        stream = ContextStream.open(rt.engine, req.options, instruction_ids,
+        stream = ContextStream.open(rt.engine, req.options, instructions,
                                     AudioStream(file.output, segment_flush=False), rt.executor)
         if isinstance(fault, dict) and fault.get("kind") in ("exception", "nan"):  # test hook
             stream.ectx.inject_fault(fault["kind"], int(fault.get("at_frame") or 0))

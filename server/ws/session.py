@@ -1,9 +1,11 @@
 """`GET /v1/tts/ws`: one session per WebSocket (docs/protocol.md 1).
 
 Per socket: one receive task (parses client messages in order and hands each to its handler in HANDLERS; engine
-calls are cheap and never block), one emit task (writes the outbox to the socket), one ticker (idle timeouts,
-draining, a dead engine), and one pump task per context (stream events -> frames; encoding runs in the thread
-pool). Contexts hold only the outbox: what they tell the session (an overflow, their end) comes through it.
+calls are cheap and never block; between messages, at most CHECK_S apart, it checks the session's deadlines: idle
+timeouts, draining, a dead engine), one emit task (writes the outbox to the socket), and one pump task per context
+(stream events -> frames; encoding runs in the thread pool). The deadlines live with the receive task because it
+never waits on the client for long (a message, or CHECK_S), where the emit task may wait on a socket nobody
+reads. Contexts hold only the outbox: what they tell the session (an overflow, their end) comes through it.
 
 Every bad input is a typed, non-fatal error that names its context; only session-level failures close the socket
 (4001 unauthorized, 4003 origin, 4008 idle, 4009 slow reader, 4029 too many sessions, 1001 draining, 1011
@@ -54,13 +56,13 @@ from server.protocol import (
 )
 from server.ratelimit import RateLimiter
 from server.runtime import Runtime
-from server.stream import ContextStream
+from server.stream import ContextStream, instruction_ids
 from server.ws.context import WsContext
 from server.ws.outbox import Outbox, OutItem, dumps
 
 log = logging.getLogger("voicelane.gateway")
 ENDED_IDS_KEPT = 4096  # ids of ended contexts remembered per socket (context_closed vs unknown_context)
-TICK_S = 0.25
+CHECK_S = 0.25  # the session's deadlines are checked this often
 CLOSE_GRACE_S = 5.0
 FAULT_KINDS = ("exception", "nan", "internal")
 
@@ -82,6 +84,7 @@ class WsSession:
         self.close_code: int | None = None
         self.finished = asyncio.Event()
         self.draining_sent = False
+        self._next_check = time.monotonic() + CHECK_S
 
     # ------------------------------------------------------------------ output
     @property
@@ -176,7 +179,6 @@ class WsSession:
         rt.sessions.add(self)
         rt.metrics.sessions.inc()
         emit = asyncio.create_task(self.emit(), name=f"ws-emit-{self.id}")
-        ticker = asyncio.create_task(self._tick(), name=f"ws-tick-{self.id}")
         recv = asyncio.create_task(self._receive(), name=f"ws-recv-{self.id}")
         self.out.send(self._session_created())
         if rt.draining:
@@ -195,8 +197,7 @@ class WsSession:
             for ctx in list(self.contexts.values()):
                 ctx.abandon()
                 self._context_ended(ctx, "abandoned")
-            for t in (recv, ticker):
-                t.cancel()
+            recv.cancel()
             if not emit.done():
                 if self.ending and not self.finished.is_set():
                     with contextlib.suppress(asyncio.TimeoutError):
@@ -233,45 +234,47 @@ class WsSession:
             self.draining_sent = True
             self.out.send({"type": "session.draining", "deadline_s": round(deadline_s, 3)})
 
-    async def _tick(self) -> None:
+    def _check_deadlines(self) -> None:
+        """Once CHECK_S has passed since the last check (the receive task calls this between messages and while
+        it waits for one): a dead engine, idle contexts, draining, an idle session."""
+        now = time.monotonic()
+        if self.ending or now < self._next_check:
+            return
+        self._next_check = now + CHECK_S
         rt = self.runtime
-        while not self.ending:
-            await asyncio.sleep(TICK_S)
-            now = time.monotonic()
-            if not rt.engine_running():
-                for ctx in list(self.contexts.values()):
-                    if not ctx.ended:
-                        ctx.abandon()
-                        self.out.send(ws_error("internal", "the engine stopped", context_id=ctx.id))
-                        ctx.end("error")
-                self.end(CLOSE_INTERNAL, "engine stopped",
-                         error=ws_error("internal", "the engine stopped; reconnect later", fatal=True))
-                return
+        if not rt.engine_running():
             for ctx in list(self.contexts.values()):
-                if (not ctx.stream.input_closed and not ctx.timeout_requested and not ctx.ended
-                        and now - ctx.last_activity > self.limits.context_idle_timeout_s):
-                    ctx.log.info("context %s idle for %.0f s: ending with reason timeout", ctx.id,
-                                 self.limits.context_idle_timeout_s)
-                    ctx.timeout_requested = True
-                    ctx.ectx.cancel()
-            if rt.draining:
-                if not self.contexts:
-                    self.end(CLOSE_GOING_AWAY, "server draining")
-                    return
-                if rt.drain_deadline is not None and now > rt.drain_deadline:
-                    log.warning("session %s: drain deadline: cancelling %d context(s) still open", self.id,
-                                len(self.contexts))
-                    for ctx in list(self.contexts.values()):
-                        ctx.cancel(None, None)
-                    self.end(CLOSE_GOING_AWAY, "server draining: deadline passed",
-                             error=ws_error("overloaded", "the server's drain deadline passed: its open contexts were "
-                                            "cancelled; reconnect to another server", fatal=True))
-                    return
-            elif not self.contexts and now - self.last_client_activity > self.limits.idle_timeout_s:
-                log.info("session %s idle for %.0f s: closing with 4008", self.id, self.limits.idle_timeout_s)
-                self.end(ERRORS["idle_timeout"].close_code, "idle timeout",
-                         error=ws_error("idle_timeout", f"no message for {self.limits.idle_timeout_s:g} s"))
+                if not ctx.ended:
+                    ctx.abandon()
+                    self.out.send(ws_error("internal", "the engine stopped", context_id=ctx.id))
+                    ctx.end("error")
+            self.end(CLOSE_INTERNAL, "engine stopped",
+                     error=ws_error("internal", "the engine stopped; reconnect later", fatal=True))
+            return
+        for ctx in list(self.contexts.values()):
+            if (not ctx.stream.input_closed and not ctx.timeout_requested and not ctx.ended
+                    and now - ctx.last_activity > self.limits.context_idle_timeout_s):
+                ctx.log.info("context %s idle for %.0f s: ending with reason timeout", ctx.id,
+                             self.limits.context_idle_timeout_s)
+                ctx.timeout_requested = True
+                ctx.ectx.cancel()
+        if rt.draining:
+            if not self.contexts:
+                self.end(CLOSE_GOING_AWAY, "server draining")
                 return
+            if rt.drain_deadline is not None and now > rt.drain_deadline:
+                log.warning("session %s: drain deadline: cancelling %d context(s) still open", self.id,
+                            len(self.contexts))
+                for ctx in list(self.contexts.values()):
+                    ctx.cancel(None, None)
+                self.end(CLOSE_GOING_AWAY, "server draining: deadline passed",
+                         error=ws_error("overloaded", "the server's drain deadline passed: its open contexts were "
+                                        "cancelled; reconnect to another server", fatal=True))
+                return
+        elif not self.contexts and now - self.last_client_activity > self.limits.idle_timeout_s:
+            log.info("session %s idle for %.0f s: closing with 4008", self.id, self.limits.idle_timeout_s)
+            self.end(ERRORS["idle_timeout"].close_code, "idle timeout",
+                     error=ws_error("idle_timeout", f"no message for {self.limits.idle_timeout_s:g} s"))
 
     # ------------------------------------------------------------------ input
     async def _receive(self) -> None:
@@ -282,13 +285,14 @@ class WsSession:
             # yield between messages (a queued message is returned without suspending), so one socket's burst
             # never holds the event loop; past the rate, wait for the next token (the client is paced by TCP)
             await asyncio.sleep(0)
+            self._check_deadlines()  # due ones: a client that never pauses has its deadlines checked too
             while (wait := pace.acquire(self.id)) > 0:
                 if not paced:
                     paced = True
                     self.runtime.metrics.rejections.inc("ws", "message_rate")
                     log.info("session %s: over %g messages/s: pacing its messages", self.id, pace.rps)
                 await asyncio.sleep(wait)
-            message = await self.ws.receive()
+            message = await self._next_message()
             if message["type"] == "websocket.disconnect":
                 if self.close_code is None:
                     self.close_code = disconnect_code(self.ws, message.get("code"))
@@ -312,6 +316,21 @@ class WsSession:
                 # a session.close: let the emit task write what is queued and the close
                 await self.finished.wait()
                 return
+
+    def _until_check(self) -> float | None:
+        """Seconds until the next deadline check; None once the session ends (nothing is checked then)."""
+        return None if self.ending else max(0.0, self._next_check - time.monotonic())
+
+    async def _next_message(self) -> dict:
+        """The socket's next message; while none comes, the session's deadlines every CHECK_S. The receive is
+        waited on, never cancelled, between checks (a message is never lost to a timeout)."""
+        receive = asyncio.ensure_future(self.ws.receive())
+        try:
+            while not (await asyncio.wait({receive}, timeout=self._until_check()))[0]:
+                self._check_deadlines()
+            return receive.result()
+        finally:
+            receive.cancel()  # nothing when it is done; when this task is cancelled, the receive ends with it
 
     # ------------------------------------------------------------------ messages
     def handle(self, obj: dict) -> None:
@@ -431,19 +450,14 @@ class WsSession:
 
     def _open(self, cid: str, opts: ContextOptions) -> WsContext:
         rt = self.runtime
-        instruction_ids = None
-        if opts.instructions is not None:
-            if not rt.info.supports_instructions:
-                raise ProtocolError("invalid_field", "instructions are not supported by this model (0.6B); drop "
-                                    "'instructions' or serve the 1.7B CustomVoice checkpoint", "instructions")
-            instruction_ids = rt.tokenizer.encode("user\n" + opts.instructions)
+        instructions = instruction_ids(opts, rt.tokenizer, rt.info)
         fmt = opts.output_format
         try:
             output = OpusOutput(fmt.bitrate, complexity=rt.config.opus_complexity) if fmt.is_opus else \
                 PcmOutput(fmt.encoding, fmt.sample_rate)
         except RuntimeError as exc:  # codec library missing
             raise ProtocolError("unsupported_format", str(exc), "output_format") from None
-        stream = ContextStream.open(rt.engine, opts, instruction_ids, AudioStream(output, segment_flush=True),
+        stream = ContextStream.open(rt.engine, opts, instructions, AudioStream(output, segment_flush=True),
                                     rt.executor, rt.tokenizer)  # InvalidRequest / Overloaded
         ctx = WsContext(self.out, rt.metrics, cid, opts, stream, next(self._stream_ids) & 0xFFFFFFFF)
         self.contexts[cid] = ctx
