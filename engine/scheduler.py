@@ -72,7 +72,7 @@ class Scheduler:
         self.setups: dict[int, ContextSetup] = {}
         self.segments: dict[int, deque[Request]] = {}  # per context: head is the active segment
         self.requests: dict[int, Request] = {}  # rid -> live request
-        self.free_slots = list(range(cfg.max_slots - 1, -1, -1))
+        self.free_slots = list(range(cfg.slots - 1, -1, -1))
         self._ids = itertools.count(1)
         self._last_served: dict[int, float] = {}
         # Predicted length of the last step planned: the device holds it when the next plan is made, and
@@ -92,7 +92,7 @@ class Scheduler:
 
     def _check_admission(self, now: float) -> None:
         if not self.free_slots:
-            raise AdmissionRefused(f"all {self.cfg.max_slots} slots are in use")
+            raise AdmissionRefused(f"all {self.cfg.slots} slots are in use")
         waiting = sum(1 for r in self._heads() if r.first_audio_at is None and r.text_ids)
         if waiting >= self.cfg.max_waiting_first_audio:
             raise AdmissionRefused(f"{waiting} requests are already waiting for their first audio")
