@@ -130,10 +130,10 @@ def test_prefill_after_a_cached_prefix_on_both_paths(model, suffix):
 
 def test_engine_codes_with_and_without_the_prefix_cache_on_the_triton_path(model):
     """The engine on the Triton kernels: the cached prefix's prefill gives the codes of the whole prompt's."""
+    from test_prefix_cache import CASES, run_cases
+
     from engine.config import EngineConfig, SchedulerConfig
     from engine.engine import Engine
-
-    from test_prefix_cache import CASES, run_cases
 
     cases = [c[:4] + (c[4].with_overrides(max_frames=2),) for c in (CASES[0], CASES[3])]
 
