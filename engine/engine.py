@@ -201,7 +201,7 @@ class Engine:
         self.core.run_until_idle()
         with self.core.lock:
             self.scheduler.drain_outbox()
-            self.scheduler.costs = type(self.scheduler.costs)()  # first-call costs must not steer admission
+            self.scheduler.costs.reset()  # first-call costs must not steer admission
         self.warmed_up = True
         return time.monotonic() - t0
 

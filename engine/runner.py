@@ -26,8 +26,9 @@ from engine.types import RowPlan, StagePlan, StageResult, StepOutputs
 
 log = logging.getLogger("voicelane.runner")
 
-# max_slots = 0 (auto): what stays free of slots on a CUDA device (captured graphs' memory pools, activations, the
-# codec's workspace), beside the prefix cache's bound: the larger of these, of the memory free after the load.
+# max_slots = 0 (auto): what stays free of slots (captured graphs' memory pools, activations, the codec's
+# workspace), beside the prefix cache's bound: a share of the memory free after the load, on a CUDA device at
+# least AUTO_RESERVE_BYTES.
 AUTO_RESERVE_BYTES, AUTO_RESERVE_SHARE = 8 << 30, 0.15
 CPU_AUTO_SLOTS = 64  # a CPU serves a handful of streams: auto stays at the slots it always had there
 
@@ -43,17 +44,29 @@ def slot_bytes(loaded: LoadedModel, cfg: EngineConfig) -> int:
     return kv + codec + frames + stack.vocab_size + stack.hidden_size * item + (talker.num_code_groups + 9) * 8
 
 
+def _host_available_bytes() -> int:
+    """Memory the host can give without swapping: MemAvailable (page cache counts as free), else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def auto_slots(loaded: LoadedModel, cfg: EngineConfig) -> int:
     """max_slots = 0: as many slots as the device's free memory holds, beside a reserve, at most MAX_SLOTS (on
     the CPU, at most CPU_AUTO_SLOTS)."""
     per_slot, device = slot_bytes(loaded, cfg), loaded.device
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        cap = MAX_SLOTS
+        cap, reserve = MAX_SLOTS, max(AUTO_RESERVE_BYTES, int(AUTO_RESERVE_SHARE * free))
     else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        cap = CPU_AUTO_SLOTS
-    budget = free - max(AUTO_RESERVE_BYTES, int(AUTO_RESERVE_SHARE * free)) - cfg.prefix_cache_bytes
+        free = _host_available_bytes()
+        cap, reserve = CPU_AUTO_SLOTS, int(AUTO_RESERVE_SHARE * free)
+    budget = free - reserve - cfg.prefix_cache_bytes
     slots = min(cap, budget // per_slot - 1)  # one more row is the graphs' scratch slot
     if slots < 1:
         raise EngineConfigError(f"{free / 2**30:.1f} GiB free on {device} does not hold one slot of "

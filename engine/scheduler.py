@@ -66,7 +66,7 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig, model_cfg: ModelConfig, timeline=None):
         cfg.validate()
         self.cfg, self.model_cfg = cfg, model_cfg
-        self.costs = CostModel()
+        self.costs = CostModel(cfg.max_batch)
         self.timeline = timeline
         self.contexts: dict[int, ContextState] = {}
         self.setups: dict[int, ContextSetup] = {}
@@ -247,8 +247,8 @@ class Scheduler:
 
     def _newcomer_chain_s(self, n: int) -> float | None:
         """Device time from a newcomer's prefill to its first audio, n newcomers batched (None: not measured)."""
-        parts = (self.costs.step_s(Stage.PREFILL, n), self.costs.step_s(Stage.CODE_PREDICTOR, n),
-                 self.costs.step_s(Stage.CODEC, n, 1))
+        parts = (self.costs.rows_s(Stage.PREFILL, n), self.costs.rows_s(Stage.CODE_PREDICTOR, n),
+                 self.costs.rows_s(Stage.CODEC, n, 1))
         return None if any(p is None for p in parts) else sum(parts)
 
     def _next_chunk_s(self, r: Request, streams: int) -> float | None:
@@ -260,8 +260,8 @@ class Scheduler:
         if want <= 0:
             return 0.0
         missing = max(0, want - (r.frames_made - r.frames_decoded))
-        talker, cp = self.costs.step_s(Stage.TALKER, streams), self.costs.step_s(Stage.CODE_PREDICTOR, streams)
-        codec = self.costs.step_s(Stage.CODEC, streams, want)
+        talker, cp = self.costs.rows_s(Stage.TALKER, streams), self.costs.rows_s(Stage.CODE_PREDICTOR, streams)
+        codec = self.costs.rows_s(Stage.CODEC, streams, want)
         if talker is None or cp is None or codec is None:
             return None
         return missing * (talker + cp) + codec
