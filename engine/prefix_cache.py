@@ -12,9 +12,10 @@ hits, misses and evictions the same way. Entries are valid for one set of weight
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
+from engine.model.prompt import Prompt
 from engine.types import PrefixCacheStats
 
 V = TypeVar("V")
@@ -50,8 +51,10 @@ class PrefixLRU(Generic[V]):
         return found[0]
 
     def insert(self, key: Hashable, value: V, nbytes: int) -> bool:
-        """Keep `value` for `key`, evicting the least recently used entries to stay within both bounds. An entry
-        larger than the byte bound is not kept (False)."""
+        """Keep `value` (never None: lookup's "not there") for `key`, evicting the least recently used entries to
+        stay within both bounds. An entry larger than the byte bound is not kept (False)."""
+        if value is None:
+            raise ValueError("a cached value cannot be None")
         if not self.enabled or nbytes > self.max_bytes:
             return False
         old = self._entries.pop(key, None)
@@ -64,6 +67,29 @@ class PrefixLRU(Generic[V]):
         self._entries[key] = (value, nbytes)
         self.bytes += nbytes
         return True
+
+    def find(self, prompts: Sequence[Prompt]) -> tuple[list[int], dict[tuple, tuple[V, list[int]]]]:
+        """One prefill's rows: per prompt the positions its cached prefix covers (0: a miss, or no prefix), and
+        each prefix found with its value and the rows (indices into `prompts`) that use it. Off: all 0."""
+        starts: list[int] = []
+        found: dict[tuple, tuple[V, list[int]]] = {}
+        for i, prompt in enumerate(prompts):
+            key = prompt.prefix_key() if self.enabled else None
+            value = self.lookup(key) if key is not None else None
+            starts.append(prompt.prefix_len if value is not None else 0)
+            if value is not None:
+                found.setdefault(key, (value, []))[1].append(i)
+        return starts, found
+
+    def keep(self, prompts: Sequence[Prompt], starts: list[int], make: Callable[[int, Prompt], tuple[V, int]]) -> None:
+        """After the prefill `find` planned: keep the prefix of each row that missed, once per new prefix;
+        make(row index, prompt) -> (value, bytes)."""
+        if not self.enabled:
+            return
+        for i, (prompt, start) in enumerate(zip(prompts, starts, strict=True)):
+            key = prompt.prefix_key()
+            if not start and key is not None and key not in self:
+                self.insert(key, *make(i, prompt))
 
     def invalidate(self) -> None:
         """Drop every entry (the weights they were computed with changed)."""

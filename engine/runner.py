@@ -359,33 +359,22 @@ class Runner:
             log.info("the Talker's weights changed: dropping %d cached prompt prefixes", len(cache))
             cache.invalidate()
             self._prefix_weights = weights
-        starts: list[int] = []
-        hits: dict[tuple, tuple[tuple[Tensor, Tensor], list[int]]] = {}  # prefix -> (its k and v, slots)
-        for r in rows:
-            key = r.prompt.prefix_key() if r.prompt.prefix_len < len(r.prompt) else None
-            entry = cache.lookup(key) if key is not None else None
-            starts.append(r.prompt.prefix_len if entry is not None else 0)
-            if entry is not None:
-                hits.setdefault(key, (entry, []))[1].append(r.slot)
-        for (k, v), slots in hits.values():
-            index, P = self._column(slots, torch.int64), k.shape[2]
-            self.kv.k[:, index, :, :P] = k[:, None]
-            self.kv.v[:, index, :, :P] = v[:, None]
+        starts, hits = cache.find([r.prompt for r in rows])
+        for (k, v), members in hits.values():  # index_copy_: no host sync (the launch never waits)
+            index, P, n = self._column([rows[i].slot for i in members], torch.int64), k.shape[2], len(members)
+            self.kv.k[:, :, :, :P].index_copy_(1, index, k[:, None].expand(-1, n, -1, -1, -1))
+            self.kv.v[:, :, :, :P].index_copy_(1, index, v[:, None].expand(-1, n, -1, -1, -1))
         return starts
 
     def _keep_prefixes(self, rows: list[RowPlan], starts: list[int]) -> None:
         """After a prefill: the prefix of each row that missed is in its cache row's first columns (causal: they
         depend on the prefix alone); keep a copy of each new one."""
-        cache = self.prefix_cache
-        if not cache.enabled:
-            return
-        for r, start in zip(rows, starts, strict=True):
-            key = r.prompt.prefix_key() if r.prompt.prefix_len < len(r.prompt) else None
-            if start or key is None or key in cache:
-                continue
-            P = r.prompt.prefix_len
-            k, v = self.kv.k[:, r.slot, :, :P].clone(), self.kv.v[:, r.slot, :, :P].clone()
-            cache.insert(key, (k, v), 2 * k.numel() * k.element_size())
+        def copy(i: int, prompt) -> tuple[tuple[Tensor, Tensor], int]:
+            slot, P = rows[i].slot, prompt.prefix_len
+            k, v = self.kv.k[:, slot, :, :P].clone(), self.kv.v[:, slot, :, :P].clone()
+            return (k, v), 2 * k.numel() * k.element_size()
+
+        self.prefix_cache.keep([r.prompt for r in rows], starts, copy)
 
     def _load_sampling(self, rows: list[RowPlan], slots: Tensor) -> None:
         s = self.sampling

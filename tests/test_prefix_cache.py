@@ -159,6 +159,7 @@ def test_prefix_of_a_prompt(tiny_model):
     with_instruction = build_prompt(cfg, ryan, TEXT, "whole", instruction)
     assert with_instruction.prefix_len == len(instruction) + 9
     assert Prompt([1, 2], [-1, -1]).prefix_key() is None
+    assert Prompt([1, 2], [-1, -1], prefix_len=2).prefix_key() is None  # nothing after it to prefill
 
 
 def test_lru_bounds_and_counters():
@@ -175,5 +176,7 @@ def test_lru_bounds_and_counters():
     assert (s.hits, s.misses, s.evictions, s.entries, s.bytes, s.max_entries, s.max_bytes) == (1, 1, 3, 1, 95, 2, 100)
     lru.invalidate()
     assert lru.stats().entries == 0 and lru.stats().bytes == 0 and lru.stats().invalidations == 1
+    with pytest.raises(ValueError):
+        lru.insert("n", None, 1)  # None is lookup's "not there"
     off = PrefixLRU(0, 100)
     assert not off.enabled and not off.insert("a", "A", 1) and len(off) == 0

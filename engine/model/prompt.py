@@ -84,8 +84,9 @@ class Prompt:
         return len(self.text_track)
 
     def prefix_key(self) -> tuple | None:
-        """What the prefix's keys and values depend on: the ids of both tracks before the text (None: no prefix)."""
-        if self.prefix_len <= 0:
+        """What the prefix's keys and values depend on: the ids of both tracks before the text (None: no prefix,
+        or nothing after it)."""
+        if not 0 < self.prefix_len < len(self):
             return None
         return tuple(self.text_track[: self.prefix_len]), tuple(self.codec_track[: self.prefix_len])
 
