@@ -21,7 +21,7 @@ from engine.api import (
     Overloaded,
     VoiceInfo,
 )
-from engine.config import EngineConfig, EngineConfigError, SchedulerConfig
+from engine.config import MAX_SLOTS, EngineConfig, EngineConfigError, SchedulerConfig
 from engine.model.sampling_params import SamplingError, SamplingParams
 from engine.model_source import (
     DTYPES,
@@ -43,6 +43,7 @@ from engine.types import (
     EngineEvent,
     EngineStats,
     FastPath,
+    PrefixCacheStats,
     Readiness,
     SegmentDone,
     StageStats,
@@ -63,6 +64,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "DTYPES",
+    "MAX_SLOTS",
     "RANDOM_NOTICE",
     "RANDOM_SIZES",
     "SAMPLES_PER_FRAME",
@@ -84,6 +86,7 @@ __all__ = [
     "ModelInfo",
     "ModelSourceError",
     "Overloaded",
+    "PrefixCacheStats",
     "Readiness",
     "SamplingError",
     "SamplingParams",

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class EngineConfigError(ValueError):
     pass
 
 
+MAX_SLOTS = 128  # the most slots max_slots = 0 (auto) gives, where the device's memory holds their KV cache rows
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_slots: int = 64  # concurrent segment requests (KV cache rows)
-    # codec: the largest graph bucket (64), so 64 streams decode in one step, not two of 32
-    max_batch: dict[str, int] = field(default_factory=lambda: {"prefill": 16, "talker": 64,
-                                                               "code_predictor": 64, "codec": 64})
+    # concurrent segment requests (KV cache rows); 0 = auto: the Engine sizes it from the device's free memory, at
+    # most MAX_SLOTS (engine/runner.py auto_slots); a Scheduler alone (the simulator) takes MAX_SLOTS
+    max_slots: int = 0
+    # talker, code_predictor, codec: the largest graph bucket (128), so every stream steps in one batch, not two
+    max_batch: dict[str, int] = field(default_factory=lambda: {"prefill": 16, "talker": MAX_SLOTS,
+                                                               "code_predictor": MAX_SLOTS, "codec": MAX_SLOTS})
     # codec frames per chunk: first chunk, then growing. Three 1-frame chunks first: after one 80 ms chunk a 2-frame
     # chunk leaves no room for another newcomer's first-audio chain, so every ramping stream would outrank it
     chunk_ramp: tuple[int, ...] = (1, 1, 1, 2, 4, 8, 12)
@@ -38,9 +43,15 @@ class SchedulerConfig:
     # the device idles. Used where steps run asynchronously (CUDA, the simulator); 0 = plan at once.
     plan_lead_s: float = 0.005
 
+    @property
+    def slots(self) -> int:
+        """max_slots, with auto (0) read as MAX_SLOTS: what a Scheduler built without an Engine uses."""
+        return self.max_slots or MAX_SLOTS
+
     def validate(self) -> None:
-        if self.max_slots < 1:
-            raise EngineConfigError(f"max_slots = {self.max_slots}; it must be >= 1 (--max-slots)")
+        if self.max_slots < 0:
+            raise EngineConfigError(f"max_slots = {self.max_slots}; use 0 (auto: from the device's memory, at most "
+                                    f"{MAX_SLOTS}) or a number of slots >= 1 (--max-slots)")
         for stage in ("prefill", "talker", "code_predictor", "codec"):
             if self.max_batch.get(stage, 0) < 1:
                 raise EngineConfigError(f"max_batch[{stage!r}] = {self.max_batch.get(stage)}; it must be >= 1")
@@ -71,6 +82,11 @@ class EngineConfig:
     trace_capacity: int = 10000  # timeline events kept per engine for the Chrome trace export
     cuda_graphs: str = "auto"  # auto (on for CUDA devices), on, off, emulate (bucketed padding without capture)
     debug_sync: bool = False  # wait for the device after every step (slow): pins a device fault on its stage
+    # Prompt prefixes whose keys and values are kept on the device (engine/prefix_cache.py), least recently used
+    # out first; 0 in either bound turns the cache off. An entry is about 1.2 MB on the 1.7B model in bf16 (10
+    # positions of 114,688 B), more with an instruction.
+    prefix_cache_entries: int = 256
+    prefix_cache_mib: float = 256.0
 
     def validate(self) -> None:
         self.scheduler.validate()
@@ -80,6 +96,10 @@ class EngineConfig:
             raise EngineConfigError(f"cuda_graphs = {self.cuda_graphs!r}; use auto, on, off or emulate")
         if self.max_prompt_tokens < 16:
             raise EngineConfigError(f"max_prompt_tokens = {self.max_prompt_tokens}; it must be >= 16")
+        if self.prefix_cache_entries < 0 or self.prefix_cache_mib < 0:
+            raise EngineConfigError(f"prefix_cache_entries = {self.prefix_cache_entries}, prefix_cache_mib = "
+                                    f"{self.prefix_cache_mib}; use 0 (off) or more (--prefix-cache-entries, "
+                                    "--prefix-cache-mib)")
 
     def graph_mode(self, device_type: str) -> str:
         """"cuda" (capture graphs), "emulate" (same bucketing, run eagerly) or "off"."""
@@ -94,3 +114,10 @@ class EngineConfig:
     @property
     def kv_len(self) -> int:
         return self.max_prompt_tokens + self.max_frames + 1
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return int(self.prefix_cache_mib * 2**20)
+
+    def with_slots(self, slots: int) -> EngineConfig:
+        return replace(self, scheduler=replace(self.scheduler, max_slots=slots))

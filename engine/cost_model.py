@@ -33,7 +33,12 @@ class _LinearFit:
 
 
 class CostModel:
-    def __init__(self) -> None:
+    def __init__(self, max_batch: dict[str, int] | None = None) -> None:
+        self.max_batch = dict(max_batch or {})  # stage name -> rows one step takes at most (none: no limit)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every observation (the warm-up's first calls must not steer admission)."""
         self.fits = {stage: _LinearFit() for stage in Stage}
 
     def observe(self, stage: Stage, batch: int, seconds: float, frames_per_row: int = 1) -> None:
@@ -43,12 +48,22 @@ class CostModel:
     def step_s(self, stage: Stage, batch: int, frames_per_row: int = 1) -> float | None:
         return self.fits[stage].predict(batch * (frames_per_row if stage == Stage.CODEC else 1))
 
+    def rows_s(self, stage: Stage, rows: int, frames_per_row: int = 1) -> float | None:
+        """Predicted time of `rows` rows at a stage, in as many steps as its max_batch needs: full steps, then
+        one of the rest (128 streams at a 64-row limit are two steps, each with its fixed cost)."""
+        limit = self.max_batch.get(stage.value, 0)
+        if not limit or rows <= limit:
+            return self.step_s(stage, rows, frames_per_row)
+        full, rest = divmod(rows, limit)
+        step, tail = self.step_s(stage, limit, frames_per_row), self.step_s(stage, rest, frames_per_row) if rest else 0
+        return None if step is None or tail is None else full * step + tail
+
     def round_s(self, streams: int, frames_per_codec_chunk: int) -> float | None:
         """Predicted time to give `streams` concurrent streams one more frame each (None: nothing measured)."""
-        talker = self.step_s(Stage.TALKER, streams)
-        cp = self.step_s(Stage.CODE_PREDICTOR, streams)
+        talker = self.rows_s(Stage.TALKER, streams)
+        cp = self.rows_s(Stage.CODE_PREDICTOR, streams)
         if talker is None or cp is None:
             return None
         chunk = max(1, frames_per_codec_chunk)
-        codec = self.step_s(Stage.CODEC, streams, chunk) or 0.0
+        codec = self.rows_s(Stage.CODEC, streams, chunk) or 0.0
         return talker + cp + codec / chunk

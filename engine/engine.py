@@ -27,7 +27,7 @@ from engine.core import EngineCore
 from engine.model.checkpoint import LoadedModel
 from engine.model.prompt import LAYOUTS, PromptError, instruction_ids, resolve_voice, spoken_languages
 from engine.model.sampling_params import SamplingError, SamplingParams
-from engine.runner import Runner
+from engine.runner import Runner, resolve_slots
 from engine.scheduler import AdmissionRefused, Scheduler
 from engine.trace import Timeline
 from engine.types import AudioChunk, ContextDone, EngineEvent, EngineStats, FastPath, Readiness
@@ -133,6 +133,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
         self.config.validate()
+        self.config = resolve_slots(self.config, loaded)  # max_slots 0 (auto): from the device's free memory
         self.loaded = loaded
         self.timeline = Timeline(self.config.trace_capacity, origin=time.monotonic())
         self.scheduler = Scheduler(self.config.scheduler, loaded.config, self.timeline)
@@ -150,8 +151,10 @@ class Engine:
         why_off = "CPU device" if loaded.device.type != "cuda" else "cuda_graphs=off"
         self.graph_report = FastPath(False, "not captured yet (warmup() captures them)" if mode != "off" else
                                      f"off ({why_off}): eager PyTorch")
-        log.info("engine ready: %d slots, KV cache %.1f MiB, device %s, dtype %s", self.config.scheduler.max_slots,
-                 self.runner.kv_bytes / 2**20, loaded.device, loaded.dtype)
+        log.info("engine ready: %d slots, KV cache %.1f MiB, prefix cache %s, device %s, dtype %s",
+                 self.config.scheduler.max_slots, self.runner.kv_bytes / 2**20,
+                 f"{self.config.prefix_cache_entries} entries / {self.config.prefix_cache_mib:g} MiB"
+                 if self.runner.prefix_cache.enabled else "off", loaded.device, loaded.dtype)
 
     def _model_info(self) -> ModelInfo:
         cfg = self.loaded.config
@@ -186,19 +189,21 @@ class Engine:
 
     def warmup(self, frames: int = 4) -> float:
         """Capture graphs, then run one short utterance through every stage before serving (first-call costs
-        stay out of TTFA). Call before start(). Returns the seconds it took."""
+        stay out of TTFA), twice: the second prefill takes its prompt prefix from the prefix cache, so that path
+        has run too. Call before start(). Returns the seconds it took."""
         t0 = time.monotonic()
         self.capture_graphs()
         voice = resolve_voice(self.loaded.config, next(iter(self.loaded.config.talker.speaker_ids)), "auto")
         sampling = self.sampling_defaults.with_overrides(max_frames=frames, min_frames=0)
-        with self.core.lock:
-            cid = self.scheduler.open_context(voice, sampling, t0)
-            self.scheduler.append_text(cid, [9707, 11, 1879, 0], t0)  # "Hello, world!"
-            self.scheduler.end_segment(cid, 2, t0, close=True)
-        self.core.run_until_idle()
+        for _ in range(2 if self.runner.prefix_cache.enabled else 1):
+            with self.core.lock:
+                cid = self.scheduler.open_context(voice, sampling, t0)
+                self.scheduler.append_text(cid, [9707, 11, 1879, 0], t0)  # "Hello, world!"
+                self.scheduler.end_segment(cid, 2, t0, close=True)
+            self.core.run_until_idle()
         with self.core.lock:
             self.scheduler.drain_outbox()
-            self.scheduler.costs = type(self.scheduler.costs)()  # first-call costs must not steer admission
+            self.scheduler.costs.reset()  # first-call costs must not steer admission
         self.warmed_up = True
         return time.monotonic() - t0
 
@@ -288,7 +293,8 @@ class Engine:
             s = self.scheduler.stats()
         stages = {k: v.snapshot() for k, v in self.core.stage_stats.items()}
         return EngineStats(**vars(s), stages=stages, kv_cache_bytes=self.runner.kv_bytes,
-                           open_contexts=len(self.contexts))
+                           open_contexts=len(self.contexts), max_slots=self.config.scheduler.max_slots,
+                           prefix_cache=self.runner.prefix_cache.stats())
 
     def chrome_trace(self) -> str:
         return self.timeline.chrome_trace()

@@ -23,9 +23,10 @@ log = logging.getLogger("voicelane.graphs")
 class GraphCaptureError(RuntimeError):
     """A stage could not be captured; the runner then serves eagerly and says so (log and /ready)."""
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# Prompt lengths a prefill graph exists for; longer prompts (long whole-layout text) prefill eagerly, as /ready says.
-PREFILL_LENGTHS = (16, 32, 64, 128, 256)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# Positions a prefill graph runs (the prompt after a cached prefix: one in the dual layout); longer ones (long
+# whole-layout text) prefill eagerly, as /ready says.
+PREFILL_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
@@ -113,9 +114,10 @@ class StageGraphs:
 
     Talker graphs are also keyed by a bucket of attention length (keys attended); codec graphs by chunk size
     (a final chunk shorter than a ramp size is padded with frames whose audio is cut off: its stream ends there,
-    so the state they leave behind is never read); prefill graphs by a bucket of prompt length (padded positions
-    are masked by each row's length, and the cache columns they fill are overwritten before any step reads
-    them)."""
+    so the state they leave behind is never read); prefill graphs by a bucket of the positions they run (a prompt
+    after its cached prefix; padded positions are masked by each row's length, and the cache columns they fill
+    are overwritten before any step reads them). A prefill graph attends `prefill_span` cache columns (the
+    largest length bucket), so a row may start after a cached prefix as long as prefix + bucket fit in it."""
 
     def __init__(self, runner, cfg):
         mode = cfg.graph_mode(runner.device.type)
@@ -127,8 +129,10 @@ class StageGraphs:
             torch.backends.cudnn.benchmark = True
             log.info("cuDNN autotuning (torch.backends.cudnn.benchmark) switched on before graph capture")
         slots = cfg.scheduler.max_slots
-        self.buckets = tuple(b for b in DEFAULT_BUCKETS if b < slots) + (slots,)
-        kv_max = runner.kv.max_len
+        # The per-step stages never batch more rows than their max_batch: no graph above it.
+        largest = min(slots, max(cfg.scheduler.max_batch[s] for s in ("talker", "code_predictor", "codec")))
+        self.buckets = tuple(b for b in DEFAULT_BUCKETS if b < largest) + (largest,)
+        self.kv_max = kv_max = runner.kv.max_len
         self.kv_buckets = tuple(sorted({min(b, kv_max) for b in (256, 512, 1024, 2048, 4096)} | {kv_max}))
         self.chunks = tuple(sorted(set(cfg.scheduler.chunk_ramp)))
         self.samples_per_frame = runner.codec.samples_per_frame
@@ -152,33 +156,38 @@ class StageGraphs:
         prefill_max = min(cfg.scheduler.max_batch["prefill"], slots)
         self.prefill_buckets = tuple(b for b in DEFAULT_BUCKETS if b < prefill_max) + (prefill_max,)
         self.prefill_lengths = tuple(n for n in PREFILL_LENGTHS if n <= cfg.max_prompt_tokens)
+        self.prefill_span = min(max(self.prefill_lengths, default=0), kv_max)
         self.text_pad = runner.model.cfg.tts_pad_id
         self.eager_prefill = runner.prefill_step  # prompts longer than the largest length bucket
         self.pf = GraphBank(
-            "prefill", lambda key, slots, text, codec, length, allow_eos: runner.prefill_step(
-                slots, text, codec, length, allow_eos),
+            "prefill", lambda key, slots, text, codec, start, length, allow_eos: runner.prefill_step(
+                slots, text, codec, start, length, allow_eos, self.prefill_span),
             slots_and(lambda B, key: {"text": torch.full((B, key), self.text_pad, dtype=torch.int64, device=dev),
                                       "codec": torch.full((B, key), NO_CODEC, dtype=torch.int64, device=dev),
-                                      "length": torch.ones(B, dtype=torch.int64, device=dev),
+                                      "start": i64(B), "length": torch.ones(B, dtype=torch.int64, device=dev),
                                       "allow_eos": torch.zeros(B, dtype=torch.bool, device=dev)}),
-            {"slots": scratch, "text": self.text_pad, "codec": NO_CODEC, "length": 1}, capture, pool)
+            {"slots": scratch, "text": self.text_pad, "codec": NO_CODEC, "start": 0, "length": 1}, capture, pool)
         self.cd = GraphBank(
             "codec", lambda key, slots, codes: runner.codec_step(slots, codes),
             slots_and(lambda B, key: {"codes": torch.zeros(B, key, groups, dtype=torch.int64, device=dev)}),
             {"slots": scratch}, capture, pool)
 
-    def prefill(self, slots: Tensor, text: Tensor, codec: Tensor, length: Tensor, allow_eos: Tensor):
-        """Prompts right-padded to a length bucket; beyond the largest bucket, eagerly (a policy, not a failure)."""
-        L = text.shape[1]
-        key = bucket_for(L, self.prefill_lengths) if self.prefill_lengths else 0
-        if key < L:
-            return self.eager_prefill(slots, text, codec, length, allow_eos)
-        if key > L:
-            pad = (0, key - L)
+    def prefill(self, slots: Tensor, text: Tensor, codec: Tensor, start: Tensor, length: Tensor, allow_eos: Tensor,
+                max_start: int):
+        """Prompt positions (after each row's cached prefix, `start`) right-padded to a length bucket; beyond the
+        largest bucket, or a prefix plus bucket beyond the span a graph attends, eagerly (a policy, not a
+        failure). max_start: the largest start, known on the host."""
+        T = text.shape[1]
+        key = bucket_for(T, self.prefill_lengths) if self.prefill_lengths else 0
+        if key < T or max_start + key > self.prefill_span:
+            return self.eager_prefill(slots, text, codec, start, length, allow_eos, min(max_start + T, self.kv_max))
+        if key > T:
+            pad = (0, key - T)
             text = torch.nn.functional.pad(text, pad, value=self.text_pad)
             codec = torch.nn.functional.pad(codec, pad, value=NO_CODEC)
         return self.pf.run_split(self.prefill_buckets, key, {"slots": slots, "text": text, "codec": codec,
-                                                            "length": length, "allow_eos": allow_eos})
+                                                            "start": start, "length": length,
+                                                            "allow_eos": allow_eos})
 
     def code_predictor(self, slots: Tensor, frame: Tensor) -> tuple[Tensor, ...]:
         return self.cp.run_split(self.buckets, None, {"slots": slots, "frame": frame})

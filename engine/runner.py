@@ -8,20 +8,81 @@ CUDA-graph fast path captures these same stage functions per batch bucket.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
 
-from engine.config import EngineConfig
+from engine.config import MAX_SLOTS, EngineConfig, EngineConfigError
 from engine.graphs import GraphCaptureError, StageGraphs
 from engine.model.checkpoint import LoadedModel
+from engine.model.codec_layers import fingerprint
 from engine.model.prompt import NO_CODEC
 from engine.model.sampling import SamplerRows
+from engine.prefix_cache import PrefixLRU
 from engine.types import RowPlan, StagePlan, StageResult, StepOutputs
 
 log = logging.getLogger("voicelane.runner")
+
+# max_slots = 0 (auto): what stays free of slots (captured graphs' memory pools, activations, the codec's
+# workspace), beside the prefix cache's bound: a share of the memory free after the load, on a CUDA device at
+# least AUTO_RESERVE_BYTES.
+AUTO_RESERVE_BYTES, AUTO_RESERVE_SHARE = 8 << 30, 0.15
+CPU_AUTO_SLOTS = 64  # a CPU serves a handful of streams: auto stays at the slots it always had there
+
+
+def slot_bytes(loaded: LoadedModel, cfg: EngineConfig) -> int:
+    """Device memory one slot holds (Runner.__init__'s per-slot tensors): the Talker's KV rows, the streaming
+    codec state, the frames, the repetition mask, the hidden state and the sampling settings."""
+    talker = loaded.config.talker
+    stack, item = talker.stack, torch.empty((), dtype=loaded.dtype).element_size()
+    kv = 2 * stack.num_layers * stack.num_kv_heads * cfg.kv_len * stack.head_dim * item
+    codec = loaded.codec.state_layout.width * item + 8
+    frames = (cfg.max_frames + 1) * talker.num_code_groups * 8
+    return kv + codec + frames + stack.vocab_size + stack.hidden_size * item + (talker.num_code_groups + 9) * 8
+
+
+def _host_available_bytes() -> int:
+    """Memory the host can give without swapping: MemAvailable (page cache counts as free), else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def auto_slots(loaded: LoadedModel, cfg: EngineConfig) -> int:
+    """max_slots = 0: as many slots as the device's free memory holds, beside a reserve, at most MAX_SLOTS (on
+    the CPU, at most CPU_AUTO_SLOTS)."""
+    per_slot, device = slot_bytes(loaded, cfg), loaded.device
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cap, reserve = MAX_SLOTS, max(AUTO_RESERVE_BYTES, int(AUTO_RESERVE_SHARE * free))
+    else:
+        free = _host_available_bytes()
+        cap, reserve = CPU_AUTO_SLOTS, int(AUTO_RESERVE_SHARE * free)
+    budget = free - reserve - cfg.prefix_cache_bytes
+    slots = min(cap, budget // per_slot - 1)  # one more row is the graphs' scratch slot
+    if slots < 1:
+        raise EngineConfigError(f"{free / 2**30:.1f} GiB free on {device} does not hold one slot of "
+                                f"{per_slot / 2**20:.0f} MiB beside the reserve; lower --max-frames or "
+                                "--max-prompt-tokens (they size the KV cache) or give --max-slots explicitly")
+    return int(slots)
+
+
+def resolve_slots(cfg: EngineConfig, loaded: LoadedModel) -> EngineConfig:
+    """The config with max_slots = 0 (auto) replaced by auto_slots (logged); an explicit number stays."""
+    if cfg.scheduler.max_slots:
+        return cfg
+    slots = auto_slots(loaded, cfg)
+    log.info("max_slots auto: %d slots of %.1f MiB on %s (cap %d)", slots, slot_bytes(loaded, cfg) / 2**20,
+             loaded.device, MAX_SLOTS if loaded.device.type == "cuda" else CPU_AUTO_SLOTS)
+    return cfg.with_slots(slots)
 
 
 class InjectedFault(RuntimeError):
@@ -67,6 +128,7 @@ class Pending:
 
 class Runner:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig):
+        cfg = resolve_slots(cfg, loaded)
         self.model, self.codec, self.cfg = loaded.tts, loaded.codec, cfg
         self.device, self.dtype = loaded.device, loaded.dtype
         talker = loaded.config.talker
@@ -92,6 +154,13 @@ class Runner:
         self.codec_state = self.codec.new_stream_state(S, dev, self.dtype)
         self.faults: dict[int, tuple[str, int]] = {}  # cid -> ("exception" | "nan", code-0 index), test hook
         self.kv_bytes = self.kv.bytes
+        # Keys and values of prompt prefixes ([layers, kv_heads, P, head_dim] each), valid for the weights whose
+        # fingerprint is _prefix_weights: everything the prefix positions' keys and values are computed from.
+        self.prefix_cache: PrefixLRU[tuple[Tensor, Tensor]] = PrefixLRU(cfg.prefix_cache_entries,
+                                                                        cfg.prefix_cache_bytes)
+        self._prefix_sources = [*self.model.talker.model.parameters(),
+                                *self.model.talker.text_projection.parameters()]
+        self._prefix_weights = fingerprint(self._prefix_sources)
         self.graphs = StageGraphs(self, cfg) if cfg.graph_mode(self.device.type) != "off" else None
         self.graph_failure: str | None = None
         self.debug_sync = cfg.debug_sync
@@ -255,23 +324,57 @@ class Runner:
         L = max(lengths)
         if L + self.cfg.max_frames + 1 > self.kv.max_len:
             raise ValueError(f"prompt of {L} positions exceeds max_prompt_tokens {self.cfg.max_prompt_tokens}")
-        text = torch.full((len(rows), L), self.model.cfg.tts_pad_id, dtype=torch.int64)
-        codec = torch.full((len(rows), L), NO_CODEC, dtype=torch.int64)
-        for i, r in enumerate(rows):
-            text[i, : lengths[i]] = torch.tensor(r.prompt.text_track)
-            codec[i, : lengths[i]] = torch.tensor(r.prompt.codec_track)
+        starts = self._load_prefixes(rows)  # positions each row's cache row holds already: only the rest runs
+        T = max(n - start for n, start in zip(lengths, starts, strict=True))
+        text = torch.full((len(rows), T), self.model.cfg.tts_pad_id, dtype=torch.int64)
+        codec = torch.full((len(rows), T), NO_CODEC, dtype=torch.int64)
+        for i, (r, start) in enumerate(zip(rows, starts, strict=True)):
+            text[i, : lengths[i] - start] = torch.tensor(r.prompt.text_track[start:])
+            codec[i, : lengths[i] - start] = torch.tensor(r.prompt.codec_track[start:])
         self._load_sampling(rows, slots)
         text, codec = self._upload(text), self._upload(codec)
-        length = self._column(lengths, torch.int64)
+        start, length = self._column(starts, torch.int64), self._column(lengths, torch.int64)
         allow_eos = self._column([r.eos_allowed for r in rows], torch.bool)
+        kv_len = min(max(starts) + T, self.kv.max_len)
         hidden, logits, code0 = self._graph_or_eager(
-            rows, lambda: self.graphs.prefill(slots, text, codec, length, allow_eos),
-            lambda: self.prefill_step(slots, text, codec, length, allow_eos,
+            rows, lambda: self.graphs.prefill(slots, text, codec, start, length, allow_eos, max(starts)),
+            lambda: self.prefill_step(slots, text, codec, start, length, allow_eos, kv_len,
                                       on_logits=lambda lg: self._inject(rows, [0] * len(rows), lg)))
+        self._keep_prefixes(rows, starts)
         self.hidden[slots], self.code0[slots], self.position[slots] = hidden, code0, length
         for r, n in zip(rows, lengths, strict=True):
             self.host_position[r.slot] = n
         return StepOutputs(eos=code0 == self.model.eos_id, bad=~torch.isfinite(logits).all(dim=-1))
+
+    # ------------------------------------------------------------------ prompt-prefix cache
+    def _load_prefixes(self, rows: list[RowPlan]) -> list[int]:
+        """Copy the cached keys and values of each row's prompt prefix into its cache row (one copy per distinct
+        prefix in the batch). Returns per row the positions its cache row now holds: the prefix length on a hit,
+        0 on a miss (the whole prompt runs, and _keep_prefixes keeps its prefix)."""
+        cache = self.prefix_cache
+        if not cache.enabled:
+            return [0] * len(rows)
+        weights = fingerprint(self._prefix_sources)
+        if weights != self._prefix_weights:  # loaded, replaced, cast or written in place since: entries are stale
+            log.info("the Talker's weights changed: dropping %d cached prompt prefixes", len(cache))
+            cache.invalidate()
+            self._prefix_weights = weights
+        starts, hits = cache.find([r.prompt for r in rows])
+        for (k, v), members in hits.values():  # index_copy_: no host sync (the launch never waits)
+            index, P, n = self._column([rows[i].slot for i in members], torch.int64), k.shape[2], len(members)
+            self.kv.k[:, :, :, :P].index_copy_(1, index, k[:, None].expand(-1, n, -1, -1, -1))
+            self.kv.v[:, :, :, :P].index_copy_(1, index, v[:, None].expand(-1, n, -1, -1, -1))
+        return starts
+
+    def _keep_prefixes(self, rows: list[RowPlan], starts: list[int]) -> None:
+        """After a prefill: the prefix of each row that missed is in its cache row's first columns (causal: they
+        depend on the prefix alone); keep a copy of each new one."""
+        def copy(i: int, prompt) -> tuple[tuple[Tensor, Tensor], int]:
+            slot, P = rows[i].slot, prompt.prefix_len
+            k, v = self.kv.k[:, slot, :, :P].clone(), self.kv.v[:, slot, :, :P].clone()
+            return (k, v), 2 * k.numel() * k.element_size()
+
+        self.prefix_cache.keep([r.prompt for r in rows], starts, copy)
 
     def _load_sampling(self, rows: list[RowPlan], slots: Tensor) -> None:
         s = self.sampling
@@ -288,15 +391,20 @@ class Runner:
 
     # Pure step functions over static-shaped tensors: run eagerly, or captured once per bucket by StageGraphs.
     # on_logits (eager only): the test fault hook, called with the logits before sampling.
-    def prefill_step(self, slots: Tensor, text: Tensor, codec: Tensor, length: Tensor, allow_eos: Tensor,
-                     on_logits=None) -> tuple[Tensor, Tensor, Tensor]:
-        """text, codec [B, L] right-padded prompt tracks; length [B] -> hidden [B, H], logits [B, V], code 0 [B]."""
-        B, L = text.shape
+    def prefill_step(self, slots: Tensor, text: Tensor, codec: Tensor, start: Tensor, length: Tensor,
+                     allow_eos: Tensor, kv_len: int, on_logits=None) -> tuple[Tensor, Tensor, Tensor]:
+        """text, codec [B, T]: each row's prompt tracks from position start[b] on, right-padded; start [B]: the
+        positions its cache row already holds (a cached prefix; 0: none); length [B]: the whole prompt's
+        positions; kv_len: cache columns attended (> every prompt position) -> hidden [B, H], logits [B, V],
+        code 0 [B]."""
+        T = text.shape[1]
         self.seen.index_fill_(0, slots, False)  # a scalar fill, not a host tensor: capture-safe
         self.codec_state.reset_(slots)
-        x = self.model.embed_prompt(text, codec)  # [B, L, H]
-        positions = torch.arange(L, device=text.device).expand(B, L)
-        hidden, logits = self.model.talker(x, slots, positions, self.kv, L, last=length - 1, valid_len=length)
+        x = self.model.embed_prompt(text, codec)  # [B, T, H]
+        # Padding past a row's prompt writes columns no step reads before writing them (kept inside the cache).
+        positions = (start[:, None] + torch.arange(T, device=text.device)).clamp_(max=self.kv.max_len - 1)
+        hidden, logits = self.model.talker(x, slots, positions, self.kv, kv_len, last=length - start - 1,
+                                           valid_len=length)
         if on_logits is not None:
             on_logits(logits)
         return hidden, logits, self.sample_code0(slots, logits, torch.zeros_like(length), allow_eos)

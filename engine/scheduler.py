@@ -57,12 +57,12 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig, model_cfg: ModelConfig, timeline=None):
         cfg.validate()
         self.cfg, self.model_cfg = cfg, model_cfg
-        self.costs = CostModel()
+        self.costs = CostModel(cfg.max_batch)
         self.timeline = timeline
         self.contexts: dict[int, ContextState] = {}
         self.segments: dict[int, deque[Request]] = {}  # per context: head is the active segment
         self.requests: dict[int, Request] = {}  # rid -> live request
-        self.free_slots = list(range(cfg.max_slots - 1, -1, -1))
+        self.free_slots = list(range(cfg.slots - 1, -1, -1))
         self._ids = itertools.count(1)
         self._last_served: dict[int, float] = {}
         # Predicted length of the last step planned: the device holds it when the next plan is made, and
@@ -85,7 +85,7 @@ class Scheduler:
 
     def _check_admission(self, now: float) -> None:
         if not self.free_slots:
-            raise AdmissionRefused(f"all {self.cfg.max_slots} slots are in use")
+            raise AdmissionRefused(f"all {self.cfg.slots} slots are in use")
         waiting = sum(1 for r in self._heads() if r.first_audio_at is None and r.text_ids)
         if waiting >= self.cfg.max_waiting_first_audio:
             raise AdmissionRefused(f"{waiting} requests are already waiting for their first audio")
@@ -239,8 +239,8 @@ class Scheduler:
 
     def _newcomer_chain_s(self, n: int) -> float | None:
         """Device time from a newcomer's prefill to its first audio, n newcomers batched (None: not measured)."""
-        parts = (self.costs.step_s(Stage.PREFILL, n), self.costs.step_s(Stage.CODE_PREDICTOR, n),
-                 self.costs.step_s(Stage.CODEC, n, 1))
+        parts = (self.costs.rows_s(Stage.PREFILL, n), self.costs.rows_s(Stage.CODE_PREDICTOR, n),
+                 self.costs.rows_s(Stage.CODEC, n, 1))
         return None if any(p is None for p in parts) else sum(parts)
 
     def _next_chunk_s(self, r: Request, streams: int) -> float | None:
@@ -252,8 +252,8 @@ class Scheduler:
         if want <= 0:
             return 0.0
         missing = max(0, want - (r.frames_made - r.frames_decoded))
-        talker, cp = self.costs.step_s(Stage.TALKER, streams), self.costs.step_s(Stage.CODE_PREDICTOR, streams)
-        codec = self.costs.step_s(Stage.CODEC, streams, want)
+        talker, cp = self.costs.rows_s(Stage.TALKER, streams), self.costs.rows_s(Stage.CODE_PREDICTOR, streams)
+        codec = self.costs.rows_s(Stage.CODEC, streams, want)
         if talker is None or cp is None or codec is None:
             return None
         return missing * (talker + cp) + codec

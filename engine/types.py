@@ -170,12 +170,28 @@ class SchedulerStats:
 
 
 @dataclass
+class PrefixCacheStats:
+    """The prompt-prefix cache's counters (engine/prefix_cache.py): lookups are per prefill row."""
+
+    hits: int = 0  # rows whose prefix keys and values were copied in, not computed
+    misses: int = 0  # rows that computed their whole prompt (their prefix is then kept)
+    evictions: int = 0  # entries dropped to stay within the bounds
+    invalidations: int = 0  # times every entry was dropped because the weights changed
+    entries: int = 0
+    bytes: int = 0
+    max_entries: int = 0  # the bounds (0: the cache is off)
+    max_bytes: int = 0
+
+
+@dataclass
 class EngineStats(SchedulerStats):
     """Engine.stats(): the scheduler's counts, then the loop's and the engine's (the JSON keeps this order)."""
 
     stages: dict[str, StageStats]  # stage name -> counters, for the stages that have run
     kv_cache_bytes: int
     open_contexts: int  # EngineContext objects whose ContextDone has not been delivered
+    max_slots: int = 0  # cache rows (the configured or the memory-derived number)
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
 
 # ---------------------------------------------------------------------------------------------- readiness

@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 
 from engine import (
+    MAX_SLOTS,
     RANDOM_NOTICE,
     RANDOM_SIZES,
     TINY_RANDOM,
@@ -102,7 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-frames", type=int, default=EngineConfig().max_frames,
                    help="frames a segment may return (sizes the KV cache)")
     g.add_argument("--max-prompt-tokens", type=int, default=EngineConfig().max_prompt_tokens)
-    g.add_argument("--max-slots", type=int, default=eng.max_slots, help="concurrent segment requests")
+    g.add_argument("--max-slots", type=int, default=eng.max_slots,
+                   help="concurrent segment requests (KV cache rows); 0 = auto: as many as the device's free memory "
+                        f"holds beside a reserve, at most {MAX_SLOTS} (64 on a CPU)")
+    g.add_argument("--prefix-cache-entries", type=int, default=EngineConfig().prefix_cache_entries,
+                   help="prompt prefixes (voice, language, instruction) whose keys and values stay on the device, so "
+                        "a newcomer's prefill runs only its text positions; least recently used out first; 0 = off")
+    g.add_argument("--prefix-cache-mib", type=float, default=EngineConfig().prefix_cache_mib,
+                   help="device memory the prefix cache may hold; 0 = off")
     g.add_argument("--bench-frames-per-word", type=int, default=None,
                    help="benchmark length mode: N frames per word (docs/protocol.md 1.6); 0 = off. Default: 5 for "
                         "random weights (they never end an utterance by themselves), off for checkpoints")
@@ -146,7 +154,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
                     admission_load=a.admission_load, safety_lead_s=a.safety_lead_s,
                     max_step_s=a.max_step_ms / 1e3)
     engine = EngineConfig(scheduler=sched, max_frames=a.max_frames, max_prompt_tokens=a.max_prompt_tokens,
-                          cuda_graphs=a.cuda_graphs, debug_sync=a.debug_sync)
+                          cuda_graphs=a.cuda_graphs, debug_sync=a.debug_sync,
+                          prefix_cache_entries=a.prefix_cache_entries, prefix_cache_mib=a.prefix_cache_mib)
     limits = Limits(max_contexts=a.max_contexts, max_text_chars_per_message=a.max_text_chars_per_message,
                     max_text_chars_per_context=a.max_text_chars_per_context, max_message_bytes=a.max_message_bytes,
                     idle_timeout_s=a.idle_timeout_s, context_idle_timeout_s=a.context_idle_timeout_s,

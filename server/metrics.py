@@ -1,8 +1,8 @@
 """Prometheus metrics, exposed through the standard client library (`prometheus_client`).
 
 Server-side series are kept here, in a registry of each server's own (tests run several servers in one process);
-engine series (queue depth, batch sizes, step times per stage, slots) are read from `engine.stats()` at scrape time
-and handed to the library as metric families.
+engine series (queue depth, batch sizes, step times per stage, slots, the prompt-prefix cache) are read from
+`engine.stats()` at scrape time and handed to the library as metric families.
 """
 
 from __future__ import annotations
@@ -127,6 +127,21 @@ def engine_families(s: EngineStats) -> list[Metric]:
                           "Requests with text still waiting for their first audio", s.waiting_first_audio),
         GaugeMetricFamily("voicelane_engine_text_starved", "Requests waiting for more text", s.text_starved),
         GaugeMetricFamily("voicelane_engine_kv_cache_bytes", "KV cache memory", s.kv_cache_bytes),
+        GaugeMetricFamily("voicelane_engine_max_slots", "Request slots (KV cache rows): configured, or sized from "
+                          "the device's memory", s.max_slots),
+    ]
+    p = s.prefix_cache
+    out += [
+        CounterMetricFamily("voicelane_prefix_cache_hits_total", "Prefill rows whose prompt prefix was copied from "
+                            "the prefix cache instead of computed", p.hits),
+        CounterMetricFamily("voicelane_prefix_cache_misses_total", "Prefill rows that computed their prompt prefix "
+                            "(it is then kept)", p.misses),
+        CounterMetricFamily("voicelane_prefix_cache_evictions_total", "Prefix cache entries dropped to stay within "
+                            "its bounds", p.evictions),
+        CounterMetricFamily("voicelane_prefix_cache_invalidations_total", "Times the prefix cache was emptied "
+                            "because the weights changed", p.invalidations),
+        GaugeMetricFamily("voicelane_prefix_cache_entries", "Prompt prefixes cached now", p.entries),
+        GaugeMetricFamily("voicelane_prefix_cache_bytes", "Device memory the cached prefixes hold", p.bytes),
     ]
     depth = GaugeMetricFamily("voicelane_engine_queue_depth", "Requests waiting at each stage now", labels=["stage"])
     for stage, waiting in sorted(s.queue_depth.items()):

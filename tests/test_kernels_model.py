@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -93,3 +94,64 @@ def test_the_switch(monkeypatch):
     monkeypatch.setenv(kernels.ENV, "auto")
     status = kernels.kernels_status()
     assert status["cuda_kernels"] == "triton" and status["triton_error"] is None and status["triton"]
+
+
+@pytest.mark.parametrize("suffix", [1, 40])
+def test_prefill_after_a_cached_prefix_on_both_paths(model, suffix):
+    """A prefill that starts at a nonzero position over cache columns already there (a cached prefix copied in,
+    engine/runner.py _load_prefixes) gives the logits and cache columns of the whole prompt's prefill, on the
+    PyTorch path and on the Triton kernels: one position (the dual layout), and enough positions for several
+    row blocks of the attention kernel. Rows start at different positions."""
+    talker = model.tts.talker
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.tensor([6, 3])
+    length = prefix + torch.tensor([suffix, max(1, suffix - 2)])
+    B, L = 2, int(length.max())
+    x = torch.randn(B, L, talker.cfg.stack.hidden_size, generator=g)
+    T = int((length - prefix).max())
+    rest = torch.zeros(B, T, x.shape[-1])
+    for b in range(B):
+        rest[b, : length[b] - prefix[b]] = x[b, prefix[b] : length[b]]
+    whole_slots, cached_slots = torch.tensor([0, 1]), torch.tensor([2, 3])
+    for name in ("torch", "triton"):
+        cache = talker.new_cache(4, L + 8, "cpu", torch.float32)
+        with kernels.backend(name), torch.inference_mode():
+            _, whole = talker(x, whole_slots, torch.arange(L).expand(B, L), cache, L, last=length - 1,
+                              valid_len=length)
+            for b in range(B):  # what the prefix cache copies in: the prefix's columns, nothing after them
+                cache.k[:, cached_slots[b], :, : prefix[b]] = cache.k[:, whole_slots[b], :, : prefix[b]]
+                cache.v[:, cached_slots[b], :, : prefix[b]] = cache.v[:, whole_slots[b], :, : prefix[b]]
+            positions = prefix[:, None] + torch.arange(T)
+            _, after_prefix = talker(rest, cached_slots, positions, cache, int(prefix.max()) + T,
+                                     last=length - prefix - 1, valid_len=length)
+        torch.testing.assert_close(after_prefix, whole, rtol=1e-5, atol=1e-5)
+        for b in range(B):
+            torch.testing.assert_close(cache.k[:, cached_slots[b], :, : length[b]],
+                                       cache.k[:, whole_slots[b], :, : length[b]], rtol=1e-5, atol=1e-5)
+
+
+def test_engine_codes_with_and_without_the_prefix_cache_on_the_triton_path(model):
+    """The engine on the Triton kernels: the cached prefix's prefill gives the codes of the whole prompt's."""
+    from test_prefix_cache import CASES, run_cases
+
+    from engine.config import EngineConfig, SchedulerConfig
+    from engine.engine import Engine
+
+    cases = [c[:4] + (c[4].with_overrides(max_frames=2),) for c in (CASES[0], CASES[3])]
+
+    def codes(entries: int, runs: list):
+        sched = SchedulerConfig(max_slots=2, admission_load=1e6, admission_first_audio_s=0)
+        engine = Engine(model, EngineConfig(scheduler=sched, max_frames=4, max_prompt_tokens=64,
+                                            prefix_cache_entries=entries))
+        engine.start()
+        try:
+            return run_cases(engine, runs, together=False), engine.stats().prefix_cache
+        finally:
+            engine.stop()
+
+    with kernels.backend("triton"):
+        cached, stats = codes(256, cases * 2)  # the second of each: its prefix copied in, one position run
+        plain, _ = codes(0, cases)
+    assert stats.hits == 2 and stats.misses == 2
+    for a, b in zip(cached, plain * 2, strict=True):
+        assert a.shape == (2, 16) and np.array_equal(a, b)

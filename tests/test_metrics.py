@@ -3,7 +3,7 @@ parsed back with the client library's own parser."""
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import EngineStats, StageStats
+from engine import EngineStats, PrefixCacheStats, StageStats
 from server.metrics import ENGINE_STEP_BUCKETS_S, ServerMetrics
 
 
@@ -17,7 +17,9 @@ ENGINE_STATS = EngineStats(
     queue_depth={"talker": 3, "codec": 0},
     stages={"talker": StageStats(steps=4, rows=10, seconds=0.5, last_batch=2,
                                  histogram=[1, 0, 2, 0, 0, 0, 0, 0, 0, 1, 0])},
-    kv_cache_bytes=4096, open_contexts=2,
+    kv_cache_bytes=4096, open_contexts=2, max_slots=128,
+    prefix_cache=PrefixCacheStats(hits=7, misses=3, evictions=1, invalidations=0, entries=2, bytes=2048,
+                                  max_entries=256, max_bytes=1 << 28),
 )
 
 
@@ -62,6 +64,13 @@ def test_engine_series_from_stats():
     s = samples(ServerMetrics().render(ENGINE_STATS, {"model": "m", "random_weights": "false"}, {"ready": True}))
     assert s[("voicelane_engine_free_slots", ())] == 30
     assert s[("voicelane_engine_kv_cache_bytes", ())] == 4096
+    assert s[("voicelane_engine_max_slots", ())] == 128
+    assert s[("voicelane_prefix_cache_hits_total", ())] == 7
+    assert s[("voicelane_prefix_cache_misses_total", ())] == 3
+    assert s[("voicelane_prefix_cache_evictions_total", ())] == 1
+    assert s[("voicelane_prefix_cache_invalidations_total", ())] == 0
+    assert s[("voicelane_prefix_cache_entries", ())] == 2
+    assert s[("voicelane_prefix_cache_bytes", ())] == 2048
     assert s[("voicelane_engine_queue_depth", (("stage", "talker"),))] == 3
     assert s[("voicelane_engine_batch_size", (("stage", "talker"),))] == 2
     assert s[("voicelane_engine_rows_total", (("stage", "talker"),))] == 10

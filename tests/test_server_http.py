@@ -215,6 +215,7 @@ def test_client_gone_cancels(server):
 
 def test_metrics(server):
     speech(server, response_format="pcm")
+    speech(server, response_format="pcm")  # the same voice again: its prompt prefix comes from the cache
 
     async def playback():  # an underrun report is counted
         raw = await Raw.open(server.ws_url)
@@ -237,6 +238,12 @@ def test_metrics(server):
                          ("voicelane_engine_step_seconds_bucket", {"stage": "talker"}),
                          ("voicelane_ttfa_seconds_bucket", {"transport": "ws"})):
         assert scraped(text, name, **labels), (name, labels)
+    assert scraped(text, "voicelane_prefix_cache_hits_total")[0] >= 1
+    assert scraped(text, "voicelane_prefix_cache_misses_total")[0] >= 1  # the warm-up's voice, at least
+    assert scraped(text, "voicelane_prefix_cache_entries")[0] >= 1
+    assert scraped(text, "voicelane_prefix_cache_bytes")[0] > 0
+    assert scraped(text, "voicelane_prefix_cache_evictions_total") == [0]
+    assert scraped(text, "voicelane_engine_max_slots")[0] == 64  # auto on a CPU
     underruns = [line for line in text.splitlines() if line.startswith("voicelane_client_underruns_total ")]
     assert float(underruns[0].split()[-1]) >= 1
 

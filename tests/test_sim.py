@@ -197,7 +197,8 @@ def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):
     assert "simulated" in printed and "p99 ms" in printed and "underrun" in printed
     assert "code_predictor" in printed and "codec" in printed  # step times per stage
     assert set(result["ttfa_ms"]) >= {"p50", "p95", "p99"} and result["stages"]["codec"]["mean_ms"] > 0
-    assert data["scheduler"]["max_slots"] == 64 and data["mode"] == "whole"
+    assert data["scheduler"]["max_slots"] == 128 and data["mode"] == "whole"
+    assert "prefix cache: " in printed and result["prefix_cache"]["misses"] == 1  # one voice: one prefix
 
 
 # ---------------------------------------------------------------------- policy under realistic asymmetric costs
@@ -227,3 +228,42 @@ def test_zero_underruns_and_no_refusals_at_10_rps():
     assert s["requests"] > 150 and s["refused"] == 0 and s["unfinished"] == 0
     assert s["underrun_requests"] == 0 and s["stall_ms"] == 0
     assert s["ttfa_ms"]["p95"] <= 80.0  # simulator's 62 ms on this seed; the old policy's 182 ms
+
+
+# ---------------------------------------------------------------------- the prompt-prefix cache (issue 13 item 5)
+def test_a_prefill_of_fewer_positions_costs_less_down_to_a_talker_step():
+    """Without a measured 1-position prefill, one position costs the Talker step at that batch (never more than
+    the shortest measured prefill); lengths in between are interpolated; a whole prompt (0) costs the profile's
+    prompt length, and longer ones no more."""
+    for batch in (1, 8, 64):
+        p16 = ms(Stage.PREFILL, batch)
+        one_position = min(ms(Stage.TALKER, batch), p16)
+        assert ms(Stage.PREFILL, batch, 1) == pytest.approx(one_position)
+        assert ms(Stage.PREFILL, batch, 8) == pytest.approx(one_position + (p16 - one_position) * 7 / 15)
+        assert ms(Stage.PREFILL, batch, 16) == ms(Stage.PREFILL, batch, 64) == p16
+    assert ms(Stage.PREFILL, 64, 1) < ms(Stage.PREFILL, 64) / 3  # 11.1 ms against 34.7 on this profile
+
+
+def test_a_measured_short_prefill_replaces_the_stand_in(tmp_path):
+    rows = json.loads(H200_PROFILE.read_text())["rows"]
+    rows += [{"stage": "prefill", "batch": b, "prompt_len": 1, "cached_prefix": 9, "ms": 1.5} for b in (1, 8, 64)]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"rows": rows}))
+    profile = StageProfile.from_json(path)
+    assert profile.prompt_len == 16  # whole prompts: the rows without a cached prefix
+    assert profile.step_s(Stage.PREFILL, 8, 1) == pytest.approx(0.0015)
+    assert profile.step_s(Stage.PREFILL, 8) == pytest.approx(ms(Stage.PREFILL, 8))
+
+
+def test_cached_prefixes_shorten_the_simulated_prefills():
+    """Streamed (dual-layout) arrivals: after the first, every prompt's prefix is cached (one voice), so each
+    prefill runs one position; with the cache off each runs the whole prompt."""
+    arrivals = poisson_workload(20, 5, seed=2, mode="streamed")
+    on = simulate(SchedulerConfig(), H200, arrivals)
+    off = simulate(SchedulerConfig(), H200, arrivals, SimOptions(prefix_cache_entries=0))
+    prefill = [(rows, s) for stage, rows, _, _, s in on.steps if stage == Stage.PREFILL]
+    assert on.extra["prefix_cache"] == {"hits": sum(rows for rows, _ in prefill) - 1, "misses": 1}
+    assert off.extra["prefix_cache"] == {"hits": 0, "misses": 0}
+    assert prefill[0][1] == pytest.approx(ms(Stage.PREFILL, prefill[0][0]))  # the miss: the whole prompt
+    assert all(s == pytest.approx(ms(Stage.PREFILL, rows, 1)) for rows, s in prefill[1:])
+    assert on.summary()["prefix_cache"]["hits"] > 0

@@ -58,6 +58,11 @@ def test_profile_stages_times_and_counts_every_stage(tmp_path):
             assert {("prefill", b, 8, mode), ("prefill", b, 40, mode), ("talker", b, None, mode),
                     ("code_predictor", b, None, mode), ("codec", b, 1, mode), ("codec", b, 5, mode)} <= seen
     assert all(r["ms"] > 0 and r["kernels"] > 0 for r in rows)
+    cached = [r for r in rows if r["stage"] == "prefill" and r.get("cached_prefix")]  # --cached-lens 1 (default)
+    assert {(r["batch"], r["graphs"]) for r in cached} == {(b, m) for b in (1, 3) for m in ("off", "emulate")}
+    assert all(r["positions"] == r["prompt_len"] == 1 and r["cached_prefix"] == 8 for r in cached)  # auto voice
+    whole = [r for r in rows if r["stage"] == "prefill" and not r.get("cached_prefix")]
+    assert all(r["positions"] == r["prompt_len"] + 10 for r in whole)
     longer = {r["batch"]: r["kernels"] for r in rows if r["stage"] == "prefill" and r["prompt_len"] == 40}
     assert all(k > 50 for k in longer.values())  # a real forward ran (a failed row raises instead)
     for r in rows:  # the per-name breakdown: the costliest first, its counts within the call's total

@@ -76,9 +76,19 @@ def instruction_ids(cfg: ModelConfig, instruction_body_ids: list[int]) -> list[i
 class Prompt:
     text_track: list[int]  # text id per position
     codec_track: list[int]  # codec id per position, NO_CODEC where the position is text only
+    # Leading positions that do not depend on the text (instruction, role, codec tags with language and speaker):
+    # their keys and values are the same in every prompt that opens with the same ids (engine/prefix_cache.py)
+    prefix_len: int = 0
 
     def __len__(self) -> int:
         return len(self.text_track)
+
+    def prefix_key(self) -> tuple | None:
+        """What the prefix's keys and values depend on: the ids of both tracks before the text (None: no prefix,
+        or nothing after it)."""
+        if not 0 < self.prefix_len < len(self):
+            return None
+        return tuple(self.text_track[: self.prefix_len]), tuple(self.codec_track[: self.prefix_len])
 
 
 def build_prompt(cfg: ModelConfig, voice: Voice, text_ids: list[int], layout: str = "dual",
@@ -100,13 +110,14 @@ def build_prompt(cfg: ModelConfig, voice: Voice, text_ids: list[int], layout: st
     head = [*tags, voice.speaker_id, t.codec_pad_id]
     codec += head
     text += [cfg.tts_pad_id] * (len(head) - 1) + [cfg.tts_bos_id]
+    prefix_len = len(text)  # everything so far is the same for any text: the prefix both layouts share
     if layout == "dual":
         text.append(text_ids[0])
         codec.append(t.codec_bos_id)
     else:
         text += [*text_ids, cfg.tts_eos_id, cfg.tts_pad_id]
         codec += [t.codec_pad_id] * (len(text_ids) + 1) + [t.codec_bos_id]
-    return Prompt(text, codec)
+    return Prompt(text, codec, prefix_len)
 
 
 def text_track_id(cfg: ModelConfig, text_ids: list[int], step: int, layout: str, text_complete: bool) -> int | None:

@@ -6,6 +6,10 @@ step's end (the clock jumps there) and returns what the real runner returns one 
 (always false: the simulator runs the benchmark's length mode), PCM and codes. The real EngineCore drives it, so
 its launch-before-collect contract is what is simulated, not a model of it.
 
+A prefill is costed at the positions it runs: with the prompt-prefix cache (`prefix_cache`, the engine's own LRU
+policy, engine/prefix_cache.py, holding only sizes here) a row whose prefix is cached runs only what follows it,
+padded to the runner's power-of-two length buckets, as the runner does.
+
 Events (arrivals, words, playback acks) are callbacks at fixed times; they run whenever the clock passes them,
 including while the host waits in `collect`, each with its own timestamp, as the server's calls do.
 """
@@ -19,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.sim.profile import StageProfile
+from engine.prefix_cache import PrefixLRU
+from engine.sim.profile import StageProfile, graph_bucket
 from engine.types import Stage, StagePlan, StageResult
 
 SAMPLES_PER_FRAME = 1920
@@ -86,8 +91,11 @@ class SimRunner:
     """The runner's launch/collect on a simulated device."""
 
     def __init__(self, profile: StageProfile, clock: SimClock, events: Events, host_step_s: float,
-                 silent_frames: Callable[[int], int], max_chunk: int):
+                 silent_frames: Callable[[int], int], max_chunk: int, prefix_cache: PrefixLRU | None = None,
+                 prefix_position_bytes: int = 0):
         self.profile, self.clock, self.events, self.host_step_s = profile, clock, events, host_step_s
+        self.prefix_cache = PrefixLRU(0, 0) if prefix_cache is None else prefix_cache  # values: positions
+        self.prefix_position_bytes = prefix_position_bytes  # Talker keys and values of one prompt position
         self.silent_frames = silent_frames  # context id -> leading silent frames of its speech
         self.audio = Audio(max_chunk)
         self.device_free_at = 0.0
@@ -98,12 +106,21 @@ class SimRunner:
         self.clock.t += self.host_step_s
         self.events.run_until(self.clock.t)
         chunk = plan.rows[0].chunk if plan.stage == Stage.CODEC else 0
+        if plan.stage == Stage.PREFILL:
+            chunk = self._prefill_positions([r.prompt for r in plan.rows])
         seconds = self.profile.step_s(plan.stage, len(plan.rows), chunk)
         start = max(self.clock.t, self.device_free_at)
         self.device_free_at = start + seconds
         self.busy_s += seconds
         self.steps.append((plan.stage, len(plan.rows), chunk, start, seconds))
         return SimPending(plan, start, start + seconds, seconds)
+
+    def _prefill_positions(self, prompts) -> int:
+        """The length bucket a prefill runs: its rows' positions after their cached prefixes (the runner's
+        _load_prefixes and _keep_prefixes, on sizes)."""
+        starts, _ = self.prefix_cache.find(prompts)
+        self.prefix_cache.keep(prompts, starts, lambda i, p: (p.prefix_len, p.prefix_len * self.prefix_position_bytes))
+        return graph_bucket(max(len(p) - start for p, start in zip(prompts, starts, strict=True)))
 
     def collect(self, pending: SimPending) -> StageResult:
         self.events.run_until(pending.end)  # the host waits; the server's calls go on meanwhile

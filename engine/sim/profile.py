@@ -4,8 +4,14 @@ A profile row is the median wall time of one stage alone at one batch size (code
 simulator asks for batches and chunk sizes that were not measured: the batch is first padded to its CUDA-graph
 bucket (a power of two, as the runner pads it), then the time is interpolated linearly between the measured
 batches around it (extrapolated from the last two above the largest); the codec is interpolated the same way
-between measured chunk sizes. The prefill is costed at one prompt length (the smallest measured unless told):
-the graphs' prefill time is kernel count, not positions, and the profile's longer prompts may have run eagerly.
+between measured chunk sizes. A whole prompt's prefill is costed at one prompt length (the smallest measured
+unless told): the graphs' prefill time is kernel count, not positions, and the profile's longer prompts may have
+run eagerly. A prefill of fewer positions (a prompt after its cached prefix: one position in the dual layout) is
+interpolated between the measured lengths up to that one and, where no 1-position prefill was measured, a
+1-position point that stands in for it: the Talker step at the same batch (the same 28 layers over one position
+each), never above the shortest measured prefill. That stand-in is a model; profile_stages --cached-lens 1 measures
+the real thing. Prefill rows are placed at the positions they ran (`positions`; profiles before it give only
+`prompt_len`, the text tokens of a whole-layout prompt about 10 positions shorter, which stands in).
 """
 
 from __future__ import annotations
@@ -45,37 +51,55 @@ class StageProfile:
     """Seconds per step by stage, batch (and codec chunk), from measured rows."""
 
     source: str
-    tables: dict[Stage, dict[int, list[tuple[float, float]]]]  # stage -> chunk (0: not codec) -> [(batch, s)]
+    # stage -> chunk (codec: frames; prefill: prompt positions; else 0) -> [(batch, s)]
+    tables: dict[Stage, dict[int, list[tuple[float, float]]]]
     pad_to_buckets: bool = True
+    prompt_len: int = 0  # the positions a whole prompt's prefill is costed at (longer ones cost the same)
 
     @classmethod
     def from_json(cls, path: str | Path = DEFAULT_PROFILE, graphs: str = "on", prompt_len: int | None = None,
                   pad_to_buckets: bool = True) -> StageProfile:
         data = json.loads(Path(path).read_text())
         rows = [r for r in data.get("rows", []) if r.get("graphs", "on") == graphs]
-        prefill_lens = sorted({r["prompt_len"] for r in rows if r["stage"] == "prefill"})
+        # whole prompts: rows measured without a cached prefix (profile_stages --cached-lens rows have one)
+        prefill_lens = sorted({r["prompt_len"] for r in rows
+                               if r["stage"] == "prefill" and not r.get("cached_prefix")})
         if prompt_len is None and prefill_lens:
             prompt_len = prefill_lens[0]
         tables: dict[Stage, dict[int, list[tuple[float, float]]]] = {s: {} for s in Stage}
+        whole = 0  # the positions the chosen whole prompt ran
         for r in rows:
-            if r["stage"] == "prefill" and r["prompt_len"] != prompt_len:
-                continue
-            chunk = int(r.get("chunk", 0)) if r["stage"] == "codec" else 0
-            tables[Stage(r["stage"])].setdefault(chunk, []).append((float(r["batch"]), r["ms"] / 1e3))
+            chunk = int(r.get("chunk", 0))
+            if r["stage"] == "prefill":
+                if not r.get("cached_prefix") and r["prompt_len"] != prompt_len:
+                    continue
+                chunk = int(r.get("positions", r["prompt_len"]))  # older profiles: text tokens stand in
+                if not r.get("cached_prefix"):
+                    whole = chunk
+            points = tables[Stage(r["stage"])].setdefault(chunk, [])
+            if all(b != r["batch"] for b, _ in points):  # one row per batch (a second run of it is ignored)
+                points.append((float(r["batch"]), r["ms"] / 1e3))
         for stage, by_chunk in tables.items():
             if not by_chunk:
                 raise ProfileError(f"{path}: no {stage.value} rows with graphs={graphs!r}"
                                    + (f" and prompt_len={prompt_len}" if stage == Stage.PREFILL else ""))
             for points in by_chunk.values():
                 points.sort()
-        return cls(str(path), tables, pad_to_buckets)
+        return cls(str(path), tables, pad_to_buckets, whole)
 
     def step_s(self, stage: Stage, batch: int, chunk: int = 0) -> float:
-        """Device seconds of one step of `batch` rows (codec: of `chunk` frames each)."""
+        """Device seconds of one step of `batch` rows (codec: of `chunk` frames each; prefill: of `chunk` prompt
+        positions each, 0: a whole prompt)."""
         if batch < 1:
             raise ValueError(f"batch {batch}: a step has at least one row")
         x = float(graph_bucket(batch) if self.pad_to_buckets else batch)
         by_chunk = self.tables[stage]
+        if stage == Stage.PREFILL:
+            lengths = {n: _interp(points, x) for n, points in by_chunk.items() if n <= self.prompt_len}
+            if 1 not in lengths:  # no 1-position prefill measured: a Talker step's cost stands in (module doc)
+                lengths[1] = min(_interp(self.tables[Stage.TALKER][0], x), lengths[min(lengths)])
+            n = min(chunk or self.prompt_len, max(lengths))
+            return _interp(sorted((float(k), v) for k, v in lengths.items()), float(max(n, 1)))
         if stage != Stage.CODEC:
             return _interp(by_chunk[0], x)
         return _interp([(float(c), _interp(points, x)) for c, points in sorted(by_chunk.items())], float(chunk))

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.config import SchedulerConfig
+from engine.config import EngineConfig, SchedulerConfig
 from engine.core import EngineCore
 from engine.model.config import ModelConfig
 from engine.model.presets import model_config
 from engine.model.prompt import resolve_voice
 from engine.model.sampling_params import SamplingParams
+from engine.prefix_cache import PrefixLRU
 from engine.request import FRAME_S
 from engine.scheduler import AdmissionRefused, Scheduler
 from engine.sim.device import Events, SimClock, SimRunner
@@ -82,6 +83,9 @@ class SimOptions:
     ack_interval_s: float = 0.0  # playback acks every this many seconds once playing (0: none, as HTTP clients)
     frames_per_word: int = 5  # the benchmark's length mode
     drain_s: float = 60.0  # after the last arrival, how long the run may continue to finish streams
+    # the engine's prompt-prefix cache (EngineConfig's bounds; 0: off, every prefill runs its whole prompt)
+    prefix_cache_entries: int = EngineConfig.prefix_cache_entries
+    prefix_cache_mib: float = EngineConfig.prefix_cache_mib
 
 
 @dataclass
@@ -132,8 +136,12 @@ class Simulation:
         self.scheduler = Scheduler(cfg, self.model_cfg, None)
         self.listeners = [Listener(a) for a in arrivals]
         self.by_cid: dict[int, Listener] = {}
-        self.runner = SimRunner(profile, self.clock, self.events, self.options.host_step_s,
-                                lambda cid: self.by_cid[cid].arrival.silent_frames, max(cfg.chunk_ramp))
+        o, stack = self.options, self.model_cfg.talker.stack
+        self.prefix_cache = PrefixLRU(o.prefix_cache_entries, int(o.prefix_cache_mib * 2**20))
+        position_bytes = 2 * stack.num_layers * stack.num_kv_heads * stack.head_dim * 2  # bf16 keys and values
+        self.runner = SimRunner(profile, self.clock, self.events, o.host_step_s,
+                                lambda cid: self.by_cid[cid].arrival.silent_frames, max(cfg.chunk_ramp),
+                                self.prefix_cache, position_bytes)
         self.core = EngineCore(self.scheduler, self.runner, self._deliver, Timeline(1), self.clock,
                                plan_lead_s=cfg.plan_lead_s, sleep=self._sleep)
         for listener in self.listeners:
@@ -215,8 +223,9 @@ class Simulation:
             if nxt is None:
                 break
             self.clock.t = max(self.clock.t, nxt)
+        cache = self.prefix_cache.stats()
         return SimReport(self.listeners, self.runner.steps, self.runner.busy_s, max(self.clock.t, 1e-9),
-                         self.options)
+                         self.options, {"prefix_cache": {"hits": cache.hits, "misses": cache.misses}})
 
 
 def _bench_length(cfg: SchedulerConfig, frames_per_word: int) -> SchedulerConfig:

@@ -9,7 +9,8 @@
 2. Each kernel timed against its reference with triton.testing.do_bench (median).
 3. Whole model (--model, bfloat16, Triton path): greedy codes over --frames frames at each --batches size with
    CUDA graphs against eager (must be identical); the fused path against the PyTorch path in float32 (logits of
-   a prefill and a decode step: must be close); and bfloat16 against float32 greedy codes (agreement reported).
+   a prefill and a decode step: must be close); and bfloat16 against float32 greedy codes, and codes after a
+   prefill from a cached prompt prefix against the whole prompt's (agreement reported).
 
 Writes OUT_DIR/gpu_check_kernels.json, prints a table last, exits 1 on any correctness failure. Shapes follow
 the model's config. --smoke (tests): small sizes, float16/float32, on the CPU through triton's interpreter.
@@ -182,6 +183,14 @@ def kernel_checks(config, sizes: Sizes, time_it: bool) -> list[dict]:
             valid = torch.randint(1, pt + 1, (B,), device=DEVICE)
             valid[0] = pt
             attention_case("prefill padded", B, pt, TALKER, pt + 8, positions, valid)
+            # after a cached prefix (the prefix cache): rows start at their prefix's length over columns already
+            # there, one position (dual layout) or pt (whole), right-padded
+            for T in (1, pt):
+                start = torch.randint(1, 24, (B,), device=DEVICE)
+                valid = start + torch.randint(1, T + 1, (B,), device=DEVICE)
+                valid[0] = start[0] + T
+                attention_case("prefill after a cached prefix", B, T, TALKER, 24 + pt + 8,
+                               start[:, None] + torch.arange(T, device=DEVICE), valid)
         for B in (1, big):
             attention_case("code predictor first", B, 2, CODE_PREDICTOR, cp_len,
                            torch.arange(2, device=DEVICE).expand(B, 2))
@@ -191,9 +200,10 @@ def kernel_checks(config, sizes: Sizes, time_it: bool) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- whole model
-def greedy_codes(loaded, batch: int, frames: int, graphs: str) -> torch.Tensor:
+def greedy_codes(loaded, batch: int, frames: int, graphs: str, cached_prefix: bool = False) -> torch.Tensor:
     """Drive the runner's stages (prefill, then Code Predictor and Talker per frame) for `batch` greedy rows with
-    distinct prompts; -> codes [batch, frames, 16]."""
+    distinct prompts; -> codes [batch, frames, 16]. cached_prefix: the prefill runs twice, the second time after
+    the prompts' prefix from the prefix cache (off: no prefix cache)."""
     from engine.config import EngineConfig, SchedulerConfig
     from engine.model.prompt import build_prompt, resolve_voice
     from engine.model.sampling_params import SamplingParams
@@ -201,7 +211,7 @@ def greedy_codes(loaded, batch: int, frames: int, graphs: str) -> torch.Tensor:
     from engine.types import RowPlan, Stage, StagePlan
 
     cfg = EngineConfig(scheduler=SchedulerConfig(max_slots=batch), max_frames=frames + 1, max_prompt_tokens=64,
-                       cuda_graphs=graphs)
+                       cuda_graphs=graphs, prefix_cache_entries=256 if cached_prefix else 0)
     runner = Runner(loaded, cfg)
     voice = resolve_voice(loaded.config, "ryan", "english")
     greedy = SamplingParams(temperature=0.0, sub_temperature=0.0, seed=1, max_frames=frames + 1)
@@ -213,8 +223,11 @@ def greedy_codes(loaded, batch: int, frames: int, graphs: str) -> torch.Tensor:
         if any(result.failed):
             raise RuntimeError(f"{stage.value} failed: {next(f for f in result.failed if f)}")
 
-    run(Stage.PREFILL, [RowPlan(i, i, i, 0, prompt=prompts[i], sampling=greedy, eos_allowed=False)
-                        for i in range(batch)])
+    for _ in range(2 if cached_prefix else 1):
+        run(Stage.PREFILL, [RowPlan(i, i, i, 0, prompt=prompts[i], sampling=greedy, eos_allowed=False)
+                            for i in range(batch)])
+    if cached_prefix and runner.prefix_cache.hits != batch:
+        raise RuntimeError(f"prefix cache: {runner.prefix_cache.hits} hits of {batch} rows")
     for s in range(frames):
         run(Stage.CODE_PREDICTOR, [RowPlan(i, i, i, s) for i in range(batch)])
         if s + 1 < frames:
@@ -260,6 +273,10 @@ def whole_model(bf16, model: str, frames: int, batches: list[int]) -> list[dict]
         rows.append({"check": f"{bf16.dtype} greedy codes, graphs {graphs} vs eager, B{batch} x {frames} frames",
                      "agreement": float((eager == graphed).float().mean()), "ok": same,
                      "seconds": round(time.monotonic() - t0, 1)})
+        cached = greedy_codes(bf16, batch, frames, graphs, cached_prefix=True)
+        rows.append({"check": f"{bf16.dtype} greedy codes, prefill after a cached prefix vs the whole prompt, "
+                     f"graphs {graphs}, B{batch} x {frames} frames (reported: the prefill's shapes differ)",
+                     "agreement": float((cached == graphed).float().mean()), "ok": True})
         if batch == batches[0]:
             first_bf16 = eager
     fp32 = load(model, DEVICE, torch.float32)
@@ -271,6 +288,10 @@ def whole_model(bf16, model: str, frames: int, batches: list[int]) -> list[dict]
     rows.append({"check": f"{bf16.dtype} vs fp32 greedy codes (fused path), B{b} x {frames} frames (reported)",
                  "agreement": float(agree.mean()),
                  "first_divergent_frame": int(diverged[0, 1]) if len(diverged) else None, "ok": True})
+    cached = greedy_codes(fp32, b, frames, "off", cached_prefix=True)
+    rows.append({"check": f"fp32 greedy codes, prefill after a cached prefix vs the whole prompt, B{b} x {frames} "
+                 "frames (identical on the CPU; reported)", "agreement": float((cached == fp32_codes).float().mean()),
+                 "ok": True})
     with kernels.backend("torch"):
         torch_fp32 = greedy_codes(fp32, b, frames, "off")
     rows.append({"check": f"fp32 greedy codes, fused vs PyTorch path, B{b} x {frames} frames (reported)",

@@ -3,7 +3,12 @@ without CUDA graphs, and break one call down by device kernel (or, on a CPU, by 
 mean time, the 15 costliest names per stage, printed and saved in the JSON ("top_kernels").
 
     python -m engine.tools.profile_stages --model random:1.7b --device cuda --batches 1 8 32 \
-        --prompt-lens 16 64 --chunks 1 4 12 --out stages.json
+        --prompt-lens 16 64 --cached-lens 1 4 16 --chunks 1 4 12 --out stages.json
+
+A prefill row gives `prompt_len` (text tokens of a whole-layout prompt; with `cached_prefix`, the positions run
+after it) and `positions` (what the prefill ran). --prompt-lens rows run with the prompt-prefix cache off (the
+whole prompt); --cached-lens rows after their prefix was cached by the warm-up call (1: a dual-layout prompt, the
+common case; n >= 3: a whole-layout prompt of n - 2 text tokens).
 
 Each number is the median wall time of launch + collect (the runner's own entry points, so index uploads and
 result copies count) over --repeat calls after one warm-up call. This is where a step's milliseconds go; the
@@ -26,6 +31,7 @@ from engine.graphs import GraphCaptureError
 from engine.model.prompt import build_prompt, resolve_voice
 from engine.model.sampling_params import SamplingParams
 from engine.model_source import load_model as load
+from engine.prefix_cache import PrefixLRU
 from engine.runner import Runner
 from engine.types import RowPlan, Stage, StagePlan
 
@@ -92,6 +98,7 @@ class StageProfiler:
                            max_prompt_tokens=max(prompt_cap + 32, 256),  # the server's prefill graphs
                            cuda_graphs=graphs)
         self.runner = Runner(loaded, cfg)
+        self.prefix_cache, self.no_prefix_cache = self.runner.prefix_cache, PrefixLRU(0, 0)
         if self.runner.graphs is not None:
             self.runner.graphs.capture_all()  # GraphCaptureError propagates: "on" must not silently mean eager
         self.voice = resolve_voice(loaded.config, next(iter(loaded.config.talker.speaker_ids)), "auto")
@@ -106,9 +113,18 @@ class StageProfiler:
         if any(result.failed):
             raise RuntimeError(f"{stage.value} step failed: {next(f for f in result.failed if f)}")
 
-    def prefill(self, batch: int, prompt_len: int) -> None:
-        text = list(range(1000, 1000 + prompt_len))
-        prompt = build_prompt(self.loaded.config, self.voice, text, "whole", None)
+    def prefill_prompt(self, prompt_len: int, cached: bool):
+        """The prompt of a prefill row: whole layout with prompt_len text tokens; cached, prompt_len positions
+        after the prefix (1: the dual layout)."""
+        if cached and prompt_len == 2:
+            raise ValueError("--cached-lens 2: no prompt has 2 positions after its prefix; use 1 or >= 3")
+        n = prompt_len - 2 if cached else prompt_len
+        layout = "dual" if cached and prompt_len == 1 else "whole"
+        return build_prompt(self.loaded.config, self.voice, list(range(1000, 1000 + max(n, 1))), layout, None)
+
+    def prefill(self, batch: int, prompt_len: int, cached: bool = False) -> None:
+        prompt = self.prefill_prompt(prompt_len, cached)
+        self.runner.prefix_cache = self.prefix_cache if cached else self.no_prefix_cache
         rows = [RowPlan(i, i, i, 0, prompt=prompt, sampling=self.sampling, eos_allowed=False) for i in range(batch)]
         self._run(Stage.PREFILL, rows)
 
@@ -123,8 +139,8 @@ class StageProfiler:
 
 
 def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chunks: list[int],
-            repeat: int) -> list[dict]:
-    p = StageProfiler(loaded, graphs, max(batches), max(prompt_lens))
+            repeat: int, cached_lens: list[int] = ()) -> list[dict]:
+    p = StageProfiler(loaded, graphs, max(batches), max([*prompt_lens, *cached_lens]))
     rows = []
 
     def measure(stage: str, batch: int, fn, **extra) -> None:
@@ -139,7 +155,12 @@ def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chu
 
     for b in batches:
         for n in prompt_lens:
-            measure("prefill", b, lambda b=b, n=n: p.prefill(b, n), prompt_len=n)
+            measure("prefill", b, lambda b=b, n=n: p.prefill(b, n), prompt_len=n,
+                    positions=len(p.prefill_prompt(n, False)))
+        for n in cached_lens:  # measure's first call misses and keeps the prefix: the timed calls hit it
+            prompt = p.prefill_prompt(n, True)
+            measure("prefill", b, lambda b=b, n=n: p.prefill(b, n, cached=True), prompt_len=n,
+                    positions=len(prompt) - prompt.prefix_len, cached_prefix=prompt.prefix_len)
         p.prefill(b, prompt_lens[0])  # fresh slots for the decode stages
         measure("talker", b, lambda b=b: p.talker(b))
         measure("code_predictor", b, lambda b=b: p.code_predictor(b))
@@ -155,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[16])
+    ap.add_argument("--cached-lens", type=int, nargs="*", default=[1],
+                    help="prefill rows after a cached prompt prefix, by positions run (1: the dual layout)")
     ap.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 12])
     ap.add_argument("--graphs", nargs="+", default=None, help="on, off, emulate (default: on and off on CUDA)")
     ap.add_argument("--repeat", type=int, default=10)
@@ -169,18 +192,21 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         for mode in modes:
             try:
-                rows += profile(loaded, mode, a.batches, a.prompt_lens, a.chunks, a.repeat)
+                rows += profile(loaded, mode, a.batches, a.prompt_lens, a.chunks, a.repeat, a.cached_lens)
             except GraphCaptureError as exc:
                 failures[mode] = str(exc)
                 print(f"graphs {mode}: capture FAILED, not measured: {exc}")
+    def extra(r: dict) -> str:  # prefill: text tokens, or "+n" positions after a cached prefix; codec: chunk
+        if r.get("cached_prefix"):
+            return f"+{r['prompt_len']}"
+        return str(r.get("prompt_len", r.get("chunk", "")))
+
     for r in rows:
-        extra = r.get("prompt_len", r.get("chunk", ""))
-        print(format_breakdown(f"\n{r['stage']} B{r['batch']} {extra} graphs {r['graphs']}",
+        print(format_breakdown(f"\n{r['stage']} B{r['batch']} {extra(r)} graphs {r['graphs']}",
                                {"count": r["kernels"], "total_us": r["kernel_us"], "top": r["top_kernels"]}))
     print(f"\n{'stage':<15} {'batch':>5} {'extra':>8} {'graphs':>7} {'ms':>9} {'kernels':>8} {'kernel ms':>10}")
     for r in rows:
-        extra = r.get("prompt_len", r.get("chunk", ""))
-        print(f"{r['stage']:<15} {r['batch']:>5} {extra!s:>8} {r['graphs']:>7} {r['ms']:>9.3f} {r['kernels']:>8} "
+        print(f"{r['stage']:<15} {r['batch']:>5} {extra(r):>8} {r['graphs']:>7} {r['ms']:>9.3f} {r['kernels']:>8} "
               f"{r['kernel_us'] / 1e3:>10.3f}")
     if a.out:
         with open(a.out, "w") as f:

@@ -15,7 +15,7 @@ import json
 import time
 from dataclasses import asdict, replace
 
-from engine.config import SchedulerConfig
+from engine.config import MAX_SLOTS, EngineConfig, SchedulerConfig
 from engine.sim.profile import DEFAULT_PROFILE, StageProfile
 from engine.sim.run import SimOptions, simulate
 from engine.sim.workload import poisson_workload
@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--word-interval-ms", type=float, default=10.0, help="streamed: ms between words")
     ap.add_argument("--ack-interval-ms", type=float, default=0.0, help="playback acks every N ms (0: none)")
     ap.add_argument("--host-step-ms", type=float, default=0.3, help="host time of one engine iteration")
-    ap.add_argument("--max-slots", type=int, default=64)
+    ap.add_argument("--max-slots", type=int, default=MAX_SLOTS, help="slots (the engine's auto on an H200: 128)")
+    ap.add_argument("--prefix-cache-entries", type=int, default=EngineConfig.prefix_cache_entries,
+                    help="the engine's prompt-prefix cache (0: off, every prefill runs its whole prompt)")
     ap.add_argument("--max-step-ms", type=float, default=20.0)
     ap.add_argument("--policy", default=None, help="SchedulerConfig.policy: first_audio or edf (default: the "
                     "configured one)")
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     profile = StageProfile.from_json(a.profile, a.graphs)
     cfg = scheduler_config(a)
     options = SimOptions(host_step_s=a.host_step_ms / 1e3, word_interval_s=a.word_interval_ms / 1e3,
-                         ack_interval_s=a.ack_interval_ms / 1e3)
+                         ack_interval_s=a.ack_interval_ms / 1e3, prefix_cache_entries=a.prefix_cache_entries)
     results = {}
     print(f"simulated (profile {a.profile}, policy {cfg.policy}, plan lead {cfg.plan_lead_s * 1e3:g} ms, {a.mode}, "
           f"{a.duration:g} s)")
@@ -75,6 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
         steps = [f"{k} {v['steps']}x{v['mean_rows']:g} {v['mean_ms']:.1f}/{v['p95_ms']:.1f}"
                  for k, v in s["stages"].items()]
         print("      steps (count x mean rows, mean / p95 ms): " + ", ".join(steps))
+        cache = s["prefix_cache"]
+        print(f"      prefix cache: {cache['hits']} hits, {cache['misses']} misses")
     out = {"profile": a.profile, "mode": a.mode, "duration_s": a.duration, "seed": a.seed,
            "scheduler": {k: v for k, v in asdict(cfg).items()}, "options": asdict(options), "results": results}
     if a.out:
