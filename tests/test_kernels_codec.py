@@ -80,8 +80,68 @@ def test_snake_rejects_bad_shapes():
         sk.snake_triton(x, torch.ones(3, device=DEVICE), c)
     with pytest.raises(ValueError, match="out has shape"):
         sk.snake_triton(x, c, c, out=torch.zeros(1, 4, 9, device=DEVICE))
-    with pytest.raises(ValueError, match="time stride"):
-        sk.snake_triton(x.transpose(1, 2).contiguous().transpose(1, 2), c, c)
+    with pytest.raises(ValueError, match="tail_out has shape"):
+        sk.conv_window_triton(x, torch.zeros(1, 4, 10, device=DEVICE), tail_out=torch.zeros(1, 4, 3, device=DEVICE))
+
+
+def test_snake_triton_channels_last():
+    """Channel stride 1 (a [B, T, C] tensor seen as [B, C, T]), in and out: the channels_last codec layout."""
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(2, 37, 6, generator=gen) * 3).to(DEVICE).transpose(1, 2)
+    freq, inv = constants(6, gen)
+    got = sk.snake_triton(x, freq, inv)
+    assert got.stride() == x.stride()
+    assert (got - sk.snake_reference(x, freq, inv)).abs().max().item() < 1e-5
+
+
+def _activation(B, C, T, channels_last, gen, dtype=torch.float32):
+    t = torch.randn(B, T, C, generator=gen).transpose(1, 2) if channels_last else torch.randn(B, C, T, generator=gen)
+    return t.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("B,C,T,H", [(2, 5, 7, 3), (1, 1, 9, 0), (2, 6, 2, 6), (1, 3, 1, 18), (1, 130, 40, 6)])
+@pytest.mark.parametrize("parts", ["all", "snake_tail", "bias_only", "clamp"])
+def test_conv_window_triton_equals_torch_path(channels_last, B, C, T, H, parts):
+    """The one-pass window kernel against the PyTorch path: bias + residual (stored), SnakeBeta, history in,
+    new history out (also when T < H, where part of the old history stays), clamp; fp32."""
+    gen = torch.Generator().manual_seed(B * 1000 + C * 10 + T + H)
+    y, res = _activation(B, C, T, channels_last, gen), _activation(B, C, T, channels_last, gen)
+    bias = torch.randn(C, generator=gen).to(DEVICE)
+    freq, inv = constants(C, gen)
+    tail_in = _activation(B, C, H, channels_last, gen)
+    kw = {"all": dict(bias=bias, res=res, freq=freq, inv_mag=inv, tail_in=tail_in),
+          "snake_tail": dict(freq=freq, inv_mag=inv, tail_in=tail_in), "bias_only": dict(bias=bias),
+          "clamp": dict(bias=bias, res=res, clamp=True)}[parts]
+    outs = []
+    for fn in (sk.conv_window_torch, sk.conv_window_triton):
+        win = _activation(B, C, H + T, channels_last, gen)
+        x_out = _activation(B, C, T, channels_last, gen) if parts == "all" else None
+        tail_out = _activation(B, C, H, channels_last, gen) if parts != "bias_only" else None
+        fn(y, win, x_out=x_out, tail_out=tail_out, **kw)
+        outs.append([t for t in (win, x_out, tail_out) if t is not None])
+    for ref, got in zip(*outs, strict=True):
+        assert got.shape == ref.shape
+        if ref.numel():
+            assert (got - ref).abs().max().item() < 1e-5
+    if parts == "bias_only" and H:
+        assert torch.all(outs[1][0][..., :H] == 0)  # whole mode: zeros before the first sample
+
+
+def test_conv_window_triton_bf16_sums_and_rounds_once():
+    """bf16: y + bias + residual summed in fp32 and rounded once (x_out), SnakeBeta of that rounded sum."""
+    gen = torch.Generator().manual_seed(13)
+    B, C, T = 2, 8, 50
+    y, res = (_activation(B, C, T, True, gen, torch.bfloat16) for _ in range(2))
+    bias = torch.randn(C, generator=gen).to(DEVICE, torch.bfloat16)
+    freq, inv = (c.to(torch.bfloat16) for c in constants(C, gen))
+    win, x_out = torch.empty(B, C, T, device=DEVICE, dtype=torch.bfloat16), torch.empty_like(y)
+    sk.conv_window_triton(y, win, bias=bias, res=res, freq=freq, inv_mag=inv, x_out=x_out)
+    exact = y.float() + bias.float()[:, None] + res.float()
+    ulp = exact.abs() * 2.0**-7 + 1e-30
+    assert torch.all((x_out.float() - exact).abs() <= ulp)
+    ref = sk.snake_reference(x_out.float(), freq.float(), inv.float())
+    assert torch.all((win.float() - ref).abs() <= ref.abs() * 2.0**-7 + 1e-30)
 
 
 def test_kernels_status_says_what_runs():
@@ -95,3 +155,25 @@ def test_kernels_status_says_what_runs():
         assert off["enabled"] is False and "switched off" in off["reason"]
     finally:
         sk.set_triton_enabled(True)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_decoder_on_the_triton_path_equals_the_torch_path(layout):
+    """The tiny codec decoding a stream (1 + 2 frames, two rows) and a whole utterance with every window kernel on
+    Triton (forced; the interpreter on the CPU) equals the PyTorch path, in both activation layouts."""
+    from engine import kernels
+    from engine.model.codec import CodecConfig, CodecDecoder, randomize_codec_
+
+    tiny = CodecConfig(codebook_dim=64, latent_dim=64, hidden_size=32, head_dim=8, num_attention_heads=4,
+                       num_key_value_heads=4, intermediate_size=64, num_hidden_layers=2, decoder_dim=96)
+    dec = randomize_codec_(CodecDecoder(tiny, layout=layout), seed=5).to(DEVICE).eval()
+    codes = torch.randint(0, 2048, (2, 16, 3), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    results = {}
+    for name in ("torch", "triton"):
+        state, slots = dec.new_stream_state(3), torch.tensor([2, 0], device=DEVICE)
+        with kernels.backend(name), torch.inference_mode():
+            waves = [dec.decode_stream(codes[..., :1], state, slots), dec.decode_stream(codes[..., 1:], state, slots)]
+            results[name] = (torch.cat(waves, -1), state.flat.clone(), dec(codes[:1, :, :2])[:, 0])
+    for got, ref in zip(results["triton"], results["torch"], strict=True):
+        assert (got - ref).abs().max().item() < 1e-5
+    assert (results["torch"][0][:1, : 2 * 1920] - results["torch"][2]).abs().max().item() < 1e-5

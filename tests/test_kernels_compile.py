@@ -64,6 +64,15 @@ def compile_attention(dtype: str) -> None:
     _compile(attention._combine_splits_kernel, dtype, {"G": 2, "D": 128, "BLOCK_M": 16, "SPLITS": 16}, partials)
 
 
+def compile_codec(dtype: str) -> None:
+    from engine.kernels import snake
+
+    flags = ("HAS_BIAS", "HAS_RES", "STORE_X", "SNAKE", "CLAMP", "HAS_TIN", "HAS_TOUT")
+    for on, block_c, block_t in (((), 128, 16), (flags, 128, 16), (("HAS_BIAS", "HAS_RES", "STORE_X", "SNAKE",
+                                 "HAS_TIN", "HAS_TOUT"), 2, 1024), (("HAS_BIAS", "CLAMP"), 1, 1024)):
+        _compile(snake._kernel(), dtype, {f: f in on for f in flags} | {"BLOCK_C": block_c, "BLOCK_T": block_t})
+
+
 def _in_fresh_python(what: str, dtype: str) -> None:
     """Compile in a new interpreter without TRITON_INTERPRET: once the other kernel tests have run triton's
     interpreter in this process, its patched language objects break the real compiler."""
@@ -84,6 +93,11 @@ def test_attention_kernels_compile(dtype):
     _in_fresh_python("attention", dtype)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_codec_window_kernel_compiles(dtype):
+    _in_fresh_python("codec", dtype)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parents[1]))
-    {"norm": compile_norm, "attention": compile_attention}[sys.argv[1]](sys.argv[2])
+    {"norm": compile_norm, "attention": compile_attention, "codec": compile_codec}[sys.argv[1]](sys.argv[2])

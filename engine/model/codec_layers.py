@@ -4,20 +4,43 @@ Every layer runs in two modes with the same weights:
 - whole mode (`io is None`): the input is a complete sequence starting at frame 0; causal convolutions pad on the
   left with zeros, as the official decoder does;
 - streaming mode (`io` is a `TailIO`): the input holds only new samples of each stream; every causal (transposed)
-  convolution reads the input history it needs from `io` and writes the updated history back.
+  convolution reads the input history it needs from `io` and writes the updated history to it.
+
+Between two convolutions the activations pass through one kernel (engine.kernels.snake.conv_window): it adds the
+previous convolution's bias and the residual, applies SnakeBeta and writes the next convolution's input window
+(history + new samples) and the new history. So a convolution runs without its bias and returns a `Pre` (output,
+bias, residual still to add), and the next window adds them on the way in.
+
+Layouts (`LAYOUTS`, chosen per decoder, VOICELANE_CODEC_LAYOUT): activations [B, C, T] are stored either with time
+stride 1 ("contiguous") or with channel stride 1 ("channels_last": a [B, T, C] tensor seen through a transpose).
+Convolutions run as 2-D convolutions over a [B, C, 1, T] view with weights in the same memory format, so in
+channels_last cuDNN reads and writes NHWC directly instead of transposing around every convolution.
 
 Module and parameter names mirror the official `Qwen3TTSTokenizerV2Decoder`, so its state dict loads as is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.kernels.snake import snake
+from engine.kernels.snake import conv_window, snake
+
+LAYOUTS = ("contiguous", "channels_last")
+LAYOUT_ENV = "VOICELANE_CODEC_LAYOUT"
+DEFAULT_LAYOUT = "contiguous"
+
+
+def layout_choice(value: str | None = None) -> str:
+    """`value`, else $VOICELANE_CODEC_LAYOUT, else DEFAULT_LAYOUT; checked against LAYOUTS."""
+    chosen = (os.environ.get(LAYOUT_ENV, "") if value is None else value).strip().lower() or DEFAULT_LAYOUT
+    if chosen not in LAYOUTS:
+        raise ValueError(f"codec layout {chosen!r} ({LAYOUT_ENV}): choose one of {', '.join(LAYOUTS)}")
+    return chosen
 
 
 def fingerprint(tensors) -> tuple:
@@ -28,92 +51,159 @@ def fingerprint(tensors) -> tuple:
 
 class Prepared(nn.Module):
     """A module with inference constants derived from its parameters, made by `prepare_inference()` (once at load)
-    and remade if those parameters change afterwards (loading weights, `.to(dtype)`): `is_prepared()` compares a
-    fingerprint of the sources, so stale constants are never used. Subclasses list `prepared_from()`."""
+    and remade if those parameters change afterwards (loading weights, `.to(dtype)`) or the module's
+    `prepared_token()` (a setting the constants depend on) changes: `is_prepared()` compares a fingerprint of the
+    sources, so stale constants are never used. Subclasses list `prepared_from()`."""
 
     _prepared_key: tuple | None = None
 
     def prepared_from(self) -> list[Tensor]:
         raise NotImplementedError
 
+    def prepared_token(self) -> object:
+        return None
+
     def _prepare(self) -> None:
         raise NotImplementedError
+
+    def _key(self) -> tuple:
+        return fingerprint(self.prepared_from()), self.prepared_token()
 
     @torch.no_grad()
     def prepare_inference(self) -> None:
         self._prepare()
-        self._prepared_key = fingerprint(self.prepared_from())
+        self._prepared_key = self._key()
 
     def is_prepared(self) -> bool:
-        return self._prepared_key == fingerprint(self.prepared_from())
+        return self._prepared_key == self._key()
 
 
 class TailIO:
-    """Per-call carrier of convolution histories: `tails[i]` ([B, C_i, H_i], a view into the gathered stream state)
-    holds the history of conv `i` on entry; the conv overwrites it with its updated history (the last H_i samples
-    of [history, new input]) after reading it."""
+    """Per-call carrier of convolution histories: `tails_in[i]` ([B, C_i, H_i], a view into the gathered stream
+    state) holds the history of conv `i` on entry; the conv writes its updated history (the last H_i samples of
+    [history, new input]) to `tails_out[i]` (another buffer: the two must not overlap)."""
 
-    def __init__(self, tails: list[Tensor]):
-        self.tails = tails
-
-
-def _window(x: Tensor, history: int, io: TailIO | None, tail_id: int, act: Callable | None) -> Tensor:
-    """x [B, C, T] -> [B, C, history + T]: the `history` input samples before x (zeros in whole mode, the stream's
-    tail otherwise), then act(x) written in place (no `cat`, no separate activation output). In streaming mode the
-    last `history` samples become the new tail."""
-    B, C, T = x.shape
-    win = x.new_empty(B, C, history + T)
-    if io is None:
-        win[..., :history].zero_()
-    else:
-        win[..., :history].copy_(io.tails[tail_id])
-    if act is None:
-        win[..., history:].copy_(x)
-    else:
-        act(x, out=win[..., history:])
-    if io is not None:
-        io.tails[tail_id].copy_(win[..., T:])
-    return win
+    def __init__(self, tails_in: list[Tensor], tails_out: list[Tensor]):
+        self.tails_in, self.tails_out = tails_in, tails_out
 
 
-class CausalConv1d(nn.Module):
+class Pre(NamedTuple):
+    """y + bias[c] + res, not added yet: a convolution's output whose bias (and a residual) the next kernel adds."""
+
+    y: Tensor  # [B, C, T]
+    bias: Tensor | None = None  # [C]
+    res: Tensor | None = None  # [B, C, T]
+
+
+def new_activation(like: Tensor, B: int, C: int, T: int, channels_last: bool) -> Tensor:
+    """Uninitialised [B, C, T] in like's dtype and device: time stride 1, or channel stride 1 (channels_last)."""
+    if channels_last:
+        return like.new_empty(B, T, C).transpose(1, 2)
+    return like.new_empty(B, C, T)
+
+
+def run_window(x: Tensor | Pre, history: int, act: SnakeBeta | None = None, *, io: TailIO | None = None,
+               tail_id: int = -1, channels_last: bool = False, keep_input: bool = False,
+               clamp: bool = False) -> tuple[Tensor, Tensor | None]:
+    """x [B, C, T] (or a Pre, summed here) -> (window [B, C, history + T], x summed or None): the `history` samples
+    before x (zeros in whole mode, the stream's tail otherwise), then act(x) (clamped to [-1, 1] if asked), in one
+    kernel. In streaming mode the window's last `history` samples are written to io.tails_out[tail_id].
+    keep_input: also return x itself (stored by the same kernel when it is a Pre), e.g. as a residual."""
+    y, bias, res = x if isinstance(x, Pre) else (x, None, None)
+    summed = bias is None and res is None
+    if history == 0 and act is None and summed and not clamp:
+        return y, (y if keep_input else None)  # nothing to add or apply: the convolution reads x as it is
+    B, C, T = y.shape
+    win = new_activation(y, B, C, history + T, channels_last)
+    kept = None
+    if keep_input:
+        kept = y if summed else new_activation(y, B, C, T, channels_last)
+    stream = io is not None and history > 0
+    conv_window(y, win, bias=bias, res=res, freq=None if act is None else act.freq,
+                inv_mag=None if act is None else act.inv_mag, x_out=None if kept is y else kept,
+                tail_in=io.tails_in[tail_id] if stream else None, tail_out=io.tails_out[tail_id] if stream else None,
+                clamp=clamp)
+    return win, kept
+
+
+class _CausalConv(Prepared):
+    """A causal (transposed) convolution: its input window, its layout and its weights as 4-D [.., .., 1, k].
+
+    `defer_bias`: return Pre(output, bias) and let the next window add the bias (True), or add it in the
+    convolution (False, for outputs that PyTorch ops read next)."""
+
+    def __init__(self, conv: nn.Module, history: int, defer_bias: bool):
+        super().__init__()
+        self.conv = conv
+        self.history = history  # input samples of left context
+        self.tail_id = -1  # index into the stream state's tails; set by the decoder when history > 0
+        self.defer_bias = defer_bias
+        self.channels_last = False  # set by the decoder's layout
+        self.weight4: Tensor | None = None  # [.., .., 1, k] in the layout's memory format
+
+    def prepared_from(self) -> list[Tensor]:
+        return [self.conv.weight]
+
+    def prepared_token(self) -> object:
+        return self.channels_last
+
+    def _prepare(self) -> None:
+        w = self.conv.weight.detach().unsqueeze(2)
+        self.weight4 = w.contiguous(memory_format=torch.channels_last) if self.channels_last else w
+
+    def _conv4d(self, x4: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor | Pre, io: TailIO | None = None, act: SnakeBeta | None = None,
+                keep_input: bool = False):
+        """conv(act(x)): x [B, C, T] (or a Pre) -> out [B, C', T'] (a Pre when defer_bias); with keep_input,
+        (out, x summed)."""
+        if self.channels_last and self.weight4 is None:
+            self.prepare_inference()  # the decoder keeps it fresh (CodecDecoder._ensure_prepared)
+        win, kept = run_window(x, self.history, act, io=io, tail_id=self.tail_id, channels_last=self.channels_last,
+                               keep_input=keep_input)
+        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
+        x4 = win.unsqueeze(2)
+        if not x4.is_contiguous(memory_format=memory_format):
+            x4 = x4.contiguous(memory_format=memory_format)
+        weight = self.weight4 if self.channels_last else self.conv.weight.unsqueeze(2)
+        bias = self.conv.bias
+        defer = self.defer_bias and bias is not None
+        y = self._conv4d(x4, weight, None if defer else bias).squeeze(2)
+        out = Pre(y, bias) if defer else y
+        return (out, kept) if keep_input else out
+
+
+class CausalConv1d(_CausalConv):
     """Stride-1 conv that sees only the present and the past: (k-1)*dilation samples of left context."""
 
-    def __init__(self, cin: int, cout: int, kernel_size: int, dilation: int = 1, groups: int = 1):
-        super().__init__()
-        self.conv = nn.Conv1d(cin, cout, kernel_size, dilation=dilation, groups=groups)
-        self.history = (kernel_size - 1) * dilation  # input samples of left context
-        self.tail_id = -1  # index into the stream state's tails; set by the decoder when history > 0
+    def __init__(self, cin: int, cout: int, kernel_size: int, dilation: int = 1, groups: int = 1,
+                 defer_bias: bool = True):
+        super().__init__(nn.Conv1d(cin, cout, kernel_size, dilation=dilation, groups=groups),
+                         (kernel_size - 1) * dilation, defer_bias)
 
-    def forward(self, x: Tensor, io: TailIO | None = None, act: Callable | None = None) -> Tensor:
-        """conv(act(x)) (act: an elementwise module taking `out=`, applied on the way into the window):
-        x [B, C, T] -> [B, C', T]."""
-        if self.history == 0:
-            return self.conv(x if act is None else act(x))
-        return self.conv(_window(x, self.history, io, self.tail_id, act))
+    def _conv4d(self, x4: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return F.conv2d(x4, weight, bias, dilation=(1, self.conv.dilation[0]), groups=self.conv.groups)
 
 
-class CausalConvTranspose1d(nn.Module):
-    """Transposed conv (kernel k >= stride s) with the k - s trailing samples dropped, so T inputs give T*s
-    outputs and output j depends on inputs <= j // s. Streaming keeps ceil(k/s) - 1 past input samples."""
+class CausalConvTranspose1d(_CausalConv):
+    """Transposed conv (kernel k >= stride s) with the causal cut: T inputs give T*s outputs and output j depends on
+    inputs <= j // s. It reads h = ceil(k/s) - 1 past inputs (zeros in whole mode), and its padding drops exactly
+    the h*s outputs of those past frames at the start and the k - s trailing ones at the end (output_padding
+    s*ceil(k/s) - k, always < s), so the output is a whole new tensor, not an offset slice of a longer one."""
 
-    def __init__(self, cin: int, cout: int, kernel_size: int, stride: int):
-        super().__init__()
+    def __init__(self, cin: int, cout: int, kernel_size: int, stride: int, defer_bias: bool = True):
         if kernel_size < stride:
             raise ValueError("kernel_size must be >= stride")
-        self.conv = nn.ConvTranspose1d(cin, cout, kernel_size, stride=stride)
+        history = -(-kernel_size // stride) - 1  # past inputs that still reach the new outputs
+        super().__init__(nn.ConvTranspose1d(cin, cout, kernel_size, stride=stride), history, defer_bias)
         self.stride = stride
-        self.history = -(-kernel_size // stride) - 1  # past inputs that still reach the new outputs
-        self.tail_id = -1
+        self.padding = history * stride
+        self.output_padding = stride * (history + 1) - kernel_size
 
-    def forward(self, x: Tensor, io: TailIO | None = None, act: Callable | None = None) -> Tensor:
-        """conv(act(x)) with the causal cut: x [B, C, T] -> [B, C', T*s]."""
-        n_out = x.shape[-1] * self.stride
-        if io is None or self.history == 0:
-            return self.conv(x if act is None else act(x))[..., :n_out]
-        h = self.history
-        y = self.conv(_window(x, h, io, self.tail_id, act))  # [B, C', (h+T-1)*s + k]; the first h*s: past frames
-        return y[..., h * self.stride: h * self.stride + n_out]
+    def _conv4d(self, x4: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return F.conv_transpose2d(x4, weight, bias, stride=(1, self.stride), padding=(0, self.padding),
+                                  output_padding=(0, self.output_padding))
 
 
 class SnakeBeta(Prepared):
@@ -139,6 +229,11 @@ class SnakeBeta(Prepared):
         return snake(x, self.freq, self.inv_mag, out)
 
 
+def _plus(out: Tensor | Pre, res: Tensor) -> Pre:
+    """out + res, still to add (the next window adds it)."""
+    return Pre(out.y, out.bias, res) if isinstance(out, Pre) else Pre(out, None, res)
+
+
 class ResidualUnit(nn.Module):
     def __init__(self, dim: int, dilation: int):
         super().__init__()
@@ -147,10 +242,9 @@ class ResidualUnit(nn.Module):
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv1d(dim, dim, 1)
 
-    def forward(self, x: Tensor, io: TailIO | None = None) -> Tensor:  # [B, C, T]
-        y = self.conv1(x, io, act=self.act1)
-        y = self.conv2(y, io, act=self.act2)
-        return y.add_(x)
+    def forward(self, x: Tensor | Pre, io: TailIO | None = None) -> Pre:  # [B, C, T]: x + conv2(conv1(x))
+        y, x = self.conv1(x, io, act=self.act1, keep_input=True)
+        return _plus(self.conv2(y, io, act=self.act2), x)
 
 
 class DecoderBlock(nn.Module):
@@ -163,7 +257,7 @@ class DecoderBlock(nn.Module):
             + [ResidualUnit(out_dim, d) for d in (1, 3, 9)]
         )
 
-    def forward(self, x: Tensor, io: TailIO | None = None) -> Tensor:  # [B, C, T] -> [B, C/2, T*rate]
+    def forward(self, x: Tensor | Pre, io: TailIO | None = None) -> Tensor | Pre:  # [B, C, T] -> [B, C/2, T*rate]
         act, up, *units = self.block
         x = up(x, io, act=act)
         for unit in units:
@@ -174,16 +268,17 @@ class DecoderBlock(nn.Module):
 class ConvNeXtBlock(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
-        self.dwconv = CausalConv1d(dim, dim, 7, groups=dim)
+        self.dwconv = CausalConv1d(dim, dim, 7, groups=dim, defer_bias=False)  # LayerNorm reads its output
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.pwconv1 = nn.Linear(dim, 4 * dim)
         self.pwconv2 = nn.Linear(4 * dim, dim)
         self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
 
-    def forward(self, x: Tensor, io: TailIO | None = None) -> Tensor:  # [B, C, T]
-        y = self.dwconv(x, io).transpose(1, 2)  # [B, T, C]
-        y = self.pwconv2(F.gelu(self.pwconv1(self.norm(y))))
-        return torch.addcmul(x, self.gamma[:, None], y.transpose(1, 2))
+    def forward(self, x: Tensor | Pre, io: TailIO | None = None) -> Tensor:  # [B, C, T]
+        y, x = self.dwconv(x, io, keep_input=True)
+        y = self.pwconv2(F.gelu(self.pwconv1(self.norm(y.transpose(1, 2)))))  # [B, T, C]
+        out = new_activation(x, *x.shape, self.dwconv.channels_last)
+        return torch.addcmul(x, self.gamma[:, None], y.transpose(1, 2), out=out)
 
 
 class UpsampleStage(nn.ModuleList):
@@ -462,11 +557,14 @@ class SlidingTransformer(nn.Module):
         window, rel = self._window_masks[key]
         return (window & (pos[:, None, None] + rel >= 0))[:, None]
 
-    def forward(self, x: Tensor, pos: Tensor | None = None, kv: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, pos: Tensor | None = None, kv: Tensor | None = None,
+                kv_out: Tensor | None = None) -> Tensor:
         """x [B, t, latent] -> y [B, t, latent]. Whole mode: pos and kv None, frames are at positions 0..t-1.
         Streaming: pos [B] int64 = position of x's first frame per row; kv [B, L, 2, Hkv, W-1, hd] holds the keys
-        and values of positions pos-W+1 .. pos-1 (entries at negative positions are masked out) and is updated in
-        place to those of pos+t-W+1 .. pos+t-1."""
+        and values of positions pos-W+1 .. pos-1 (entries at negative positions are masked out); those of
+        pos+t-W+1 .. pos+t-1 are written to kv_out (same shape; default: kv itself, in place)."""
+        if kv_out is None:
+            kv_out = kv
         t = x.shape[1]
         if pos is None:
             qpos = torch.arange(t, device=x.device)[None]  # [1, t]
@@ -482,5 +580,5 @@ class SlidingTransformer(nn.Module):
             h, new_kv = layer(h, cos, sin, mask, None if kv is None else kv[:, i])
             if kv is not None:
                 for j, full in enumerate(new_kv):  # [B, Hkv, W-1+t, hd]: keep the last W-1
-                    kv[:, i, j].copy_(full[:, :, full.shape[2] - keep:])
+                    kv_out[:, i, j].copy_(full[:, :, full.shape[2] - keep:])
         return self.output_proj(self.norm(h))
