@@ -140,9 +140,10 @@ class _CausalConv(Prepared):
         self.defer_bias = defer_bias
         self.channels_last = False  # set by the decoder's layout
         self.weight4: Tensor | None = None  # [.., .., 1, k] in the layout's memory format
+        self.prepared_bias: Tensor | None = None  # the conv's bias, detached (Pre carries it: no autograd leaf)
 
     def prepared_from(self) -> list[Tensor]:
-        return [self.conv.weight]
+        return [p for p in (self.conv.weight, self.conv.bias) if p is not None]
 
     def prepared_token(self) -> object:
         return self.channels_last
@@ -150,6 +151,7 @@ class _CausalConv(Prepared):
     def _prepare(self) -> None:
         w = self.conv.weight.detach().unsqueeze(2)
         self.weight4 = w.contiguous(memory_format=torch.channels_last) if self.channels_last else w
+        self.prepared_bias = None if self.conv.bias is None else self.conv.bias.detach()
 
     def _conv4d(self, x4: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         raise NotImplementedError
@@ -158,7 +160,7 @@ class _CausalConv(Prepared):
                 keep_input: bool = False):
         """conv(act(x)): x [B, C, T] (or a Pre) -> out [B, C', T'] (a Pre when defer_bias); with keep_input,
         (out, x summed)."""
-        if self.channels_last and self.weight4 is None:
+        if self.weight4 is None:
             self.prepare_inference()  # the decoder keeps it fresh (CodecDecoder._ensure_prepared)
         win, kept = run_window(x, self.history, act, io=io, tail_id=self.tail_id, channels_last=self.channels_last,
                                keep_input=keep_input)
@@ -166,10 +168,9 @@ class _CausalConv(Prepared):
         x4 = win.unsqueeze(2)
         if not x4.is_contiguous(memory_format=memory_format):
             x4 = x4.contiguous(memory_format=memory_format)
-        weight = self.weight4 if self.channels_last else self.conv.weight.unsqueeze(2)
-        bias = self.conv.bias
+        bias = self.prepared_bias
         defer = self.defer_bias and bias is not None
-        y = self._conv4d(x4, weight, None if defer else bias).squeeze(2)
+        y = self._conv4d(x4, self.weight4, None if defer else bias).squeeze(2)
         out = Pre(y, bias) if defer else y
         return (out, kept) if keep_input else out
 

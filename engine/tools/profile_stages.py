@@ -3,7 +3,10 @@ without CUDA graphs, and break one call down by device kernel (or, on a CPU, by 
 mean time, the 15 costliest names per stage, printed and saved in the JSON ("top_kernels").
 
     python -m engine.tools.profile_stages --model random:1.7b --device cuda --batches 1 8 32 \
-        --prompt-lens 16 64 --chunks 1 4 12 --out stages.json
+        --prompt-lens 16 64 --chunks 1 4 12 --out stages.json [--codec-layouts contiguous channels_last]
+
+With several --codec-layouts, the codec stage is measured once per activation layout (its rows carry
+"codec_layout"); the other stages do not depend on it and are measured with the first one only.
 
 Each number is the median wall time of launch + collect (the runner's own entry points, so index uploads and
 result copies count) over --repeat calls after one warm-up call. This is where a step's milliseconds go; the
@@ -23,6 +26,7 @@ import torch
 
 from engine.config import EngineConfig, SchedulerConfig
 from engine.graphs import GraphCaptureError
+from engine.model.codec_layers import LAYOUTS
 from engine.model.prompt import build_prompt, resolve_voice
 from engine.model.sampling_params import SamplingParams
 from engine.model_source import load_model as load
@@ -123,9 +127,11 @@ class StageProfiler:
 
 
 def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chunks: list[int],
-            repeat: int) -> list[dict]:
+            repeat: int, codec_only: bool = False) -> list[dict]:
+    """Rows for every stage (codec_only: the codec stage only), with the codec in loaded.codec's layout."""
     p = StageProfiler(loaded, graphs, max(batches), max(prompt_lens))
     rows = []
+    layout = loaded.codec.layout
 
     def measure(stage: str, batch: int, fn, **extra) -> None:
         p.check_syncs = False
@@ -133,16 +139,20 @@ def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chu
         p.check_syncs = True
         ms = _time(fn, repeat)
         breakdown = kernel_breakdown(fn, loaded.device)
+        if stage == "codec":
+            extra["codec_layout"] = layout
         rows.append({"stage": stage, "batch": batch, **extra, "graphs": graphs, "ms": round(ms, 3),
                      "kernels": breakdown["count"], "kernel_us": breakdown["total_us"],
                      "top_kernels": breakdown["top"]})
 
     for b in batches:
-        for n in prompt_lens:
-            measure("prefill", b, lambda b=b, n=n: p.prefill(b, n), prompt_len=n)
+        if not codec_only:
+            for n in prompt_lens:
+                measure("prefill", b, lambda b=b, n=n: p.prefill(b, n), prompt_len=n)
         p.prefill(b, prompt_lens[0])  # fresh slots for the decode stages
-        measure("talker", b, lambda b=b: p.talker(b))
-        measure("code_predictor", b, lambda b=b: p.code_predictor(b))
+        if not codec_only:
+            measure("talker", b, lambda b=b: p.talker(b))
+            measure("code_predictor", b, lambda b=b: p.code_predictor(b))
         for c in chunks:
             measure("codec", b, lambda b=b, c=c: p.codec(b, c), chunk=c)
     return rows
@@ -157,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[16])
     ap.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 12])
     ap.add_argument("--graphs", nargs="+", default=None, help="on, off, emulate (default: on and off on CUDA)")
+    ap.add_argument("--codec-layouts", nargs="+", choices=LAYOUTS, default=None,
+                    help="codec activation layouts to measure (default: the loaded codec's, VOICELANE_CODEC_LAYOUT)")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -166,21 +178,27 @@ def main(argv: list[str] | None = None) -> None:
     modes = a.graphs or (["on", "off"] if device.type == "cuda" else ["off"])
     rows = []
     failures = {}
+    layouts = a.codec_layouts or [loaded.codec.layout]
     with torch.inference_mode():
         for mode in modes:
-            try:
-                rows += profile(loaded, mode, a.batches, a.prompt_lens, a.chunks, a.repeat)
-            except GraphCaptureError as exc:
-                failures[mode] = str(exc)
-                print(f"graphs {mode}: capture FAILED, not measured: {exc}")
+            for i, layout in enumerate(layouts):
+                loaded.codec.set_layout(layout)
+                loaded.codec.prepare_inference()
+                try:
+                    rows += profile(loaded, mode, a.batches, a.prompt_lens, a.chunks, a.repeat, codec_only=i > 0)
+                except GraphCaptureError as exc:
+                    failures[f"{mode}/{layout}"] = str(exc)
+                    print(f"graphs {mode}, codec layout {layout}: capture FAILED, not measured: {exc}")
+
+    def extra(r: dict) -> str:
+        return str(r.get("prompt_len", "")) if "chunk" not in r else f"{r['chunk']} {r['codec_layout'][:8]}"
+
     for r in rows:
-        extra = r.get("prompt_len", r.get("chunk", ""))
-        print(format_breakdown(f"\n{r['stage']} B{r['batch']} {extra} graphs {r['graphs']}",
+        print(format_breakdown(f"\n{r['stage']} B{r['batch']} {extra(r)} graphs {r['graphs']}",
                                {"count": r["kernels"], "total_us": r["kernel_us"], "top": r["top_kernels"]}))
-    print(f"\n{'stage':<15} {'batch':>5} {'extra':>8} {'graphs':>7} {'ms':>9} {'kernels':>8} {'kernel ms':>10}")
+    print(f"\n{'stage':<15} {'batch':>5} {'extra':>10} {'graphs':>7} {'ms':>9} {'kernels':>8} {'kernel ms':>10}")
     for r in rows:
-        extra = r.get("prompt_len", r.get("chunk", ""))
-        print(f"{r['stage']:<15} {r['batch']:>5} {extra!s:>8} {r['graphs']:>7} {r['ms']:>9.3f} {r['kernels']:>8} "
+        print(f"{r['stage']:<15} {r['batch']:>5} {extra(r):>10} {r['graphs']:>7} {r['ms']:>9.3f} {r['kernels']:>8} "
               f"{r['kernel_us'] / 1e3:>10.3f}")
     if a.out:
         with open(a.out, "w") as f:
