@@ -126,9 +126,12 @@ class StageProfiler:
         self._run(Stage.CODEC, [RowPlan(i, i, i, 0, chunk=chunk) for i in range(batch)])
 
 
+STAGES = frozenset({"prefill", "talker", "code_predictor", "codec"})
+
+
 def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chunks: list[int],
-            repeat: int, codec_only: bool = False) -> list[dict]:
-    """Rows for every stage (codec_only: the codec stage only), with the codec in loaded.codec's layout."""
+            repeat: int, stages: frozenset[str] = STAGES) -> list[dict]:
+    """Rows for each of `stages`, with the codec in loaded.codec's layout."""
     p = StageProfiler(loaded, graphs, max(batches), max(prompt_lens))
     rows = []
     layout = loaded.codec.layout
@@ -146,15 +149,17 @@ def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chu
                      "top_kernels": breakdown["top"]})
 
     for b in batches:
-        if not codec_only:
+        if "prefill" in stages:
             for n in prompt_lens:
                 measure("prefill", b, lambda b=b, n=n: p.prefill(b, n), prompt_len=n)
         p.prefill(b, prompt_lens[0])  # fresh slots for the decode stages
-        if not codec_only:
+        if "talker" in stages:
             measure("talker", b, lambda b=b: p.talker(b))
+        if "code_predictor" in stages:
             measure("code_predictor", b, lambda b=b: p.code_predictor(b))
-        for c in chunks:
-            measure("codec", b, lambda b=b, c=c: p.codec(b, c), chunk=c)
+        if "codec" in stages:
+            for c in chunks:
+                measure("codec", b, lambda b=b, c=c: p.codec(b, c), chunk=c)
     return rows
 
 
@@ -167,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[16])
     ap.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 12])
     ap.add_argument("--graphs", nargs="+", default=None, help="on, off, emulate (default: on and off on CUDA)")
+    ap.add_argument("--stages", nargs="+", choices=sorted(STAGES), default=sorted(STAGES))
     ap.add_argument("--codec-layouts", nargs="+", choices=LAYOUTS, default=None,
                     help="codec activation layouts to measure (default: the loaded codec's, VOICELANE_CODEC_LAYOUT)")
     ap.add_argument("--repeat", type=int, default=10)
@@ -185,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
                 loaded.codec.set_layout(layout)
                 loaded.codec.prepare_inference()
                 try:
-                    rows += profile(loaded, mode, a.batches, a.prompt_lens, a.chunks, a.repeat, codec_only=i > 0)
+                    stages = frozenset(a.stages) if i == 0 else frozenset(a.stages) & {"codec"}
+                    rows += profile(loaded, mode, a.batches, a.prompt_lens, a.chunks, a.repeat, stages)
                 except GraphCaptureError as exc:
                     failures[f"{mode}/{layout}"] = str(exc)
                     print(f"graphs {mode}, codec layout {layout}: capture FAILED, not measured: {exc}")
