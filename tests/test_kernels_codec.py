@@ -177,3 +177,64 @@ def test_decoder_on_the_triton_path_equals_the_torch_path(layout):
     for got, ref in zip(results["triton"], results["torch"], strict=True):
         assert (got - ref).abs().max().item() < 1e-5
     assert (results["torch"][0][:1, : 2 * 1920] - results["torch"][2]).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_add", [True, False])
+def test_scaled_add_rms_norm_triton_equals_torch_path(dtype, with_add):
+    """x + scale * a rounded once, then RMSNorm (fp32 inside, rounded, times the weight, rounded): the kernel
+    against the PyTorch path in fp32, and in bf16 against the fp32 formula (one rounding of the sum: within an
+    ulp; two of the norm: within two; the interpreter truncates where the GPU rounds to nearest)."""
+    from engine import kernels
+    from engine.kernels.codec_transformer import scaled_add_rms_norm, scaled_add_rms_norm_torch
+
+    gen = torch.Generator().manual_seed(3)
+    x, a = (torch.randn(2, 5, 48, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    scale, weight = (torch.rand(48, generator=gen).add(0.25).to(DEVICE, dtype) for _ in range(2))
+    ref_h, ref = scaled_add_rms_norm_torch(x, scale if with_add else None, a if with_add else None, weight, 1e-5)
+    with kernels.backend("triton"):
+        h, got = scaled_add_rms_norm(x, scale if with_add else None, a if with_add else None, weight, 1e-5)
+    assert got.shape == ref.shape == x.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        assert (h - ref_h).abs().max().item() < 1e-6 and (got - ref).abs().max().item() < 1e-5
+    else:
+        exact_h = x.float() + scale.float() * a.float() if with_add else x.float()
+        assert torch.all((h.float() - exact_h).abs() <= exact_h.abs() * 2.0**-7)
+        hf = h.float()
+        exact = weight.float() * hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)
+        assert torch.all((got.float() - exact).abs() <= exact.abs() * 2.0**-6 + 1e-6)
+    if not with_add:
+        assert h is x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cos_rows", [1, 3])
+def test_rope_kv_triton_equals_torch_path(dtype, cos_rows):
+    """RoPE of the stacked projection: q out, k and v written after the past frames of the key/value buffer (the
+    past left as it was); the kernel against the PyTorch path (fp32) and the fp32 formula (bf16)."""
+    from engine import kernels
+    from engine.kernels.codec_transformer import rope_kv, rope_kv_torch
+
+    gen = torch.Generator().manual_seed(4)
+    B, t, H, Hkv, hd, past = 3, 5, 4, 2, 8, 6
+    proj = torch.randn(B, t, (2 * (H + Hkv) + Hkv) * hd, generator=gen).to(DEVICE, dtype)
+    angle = torch.randn(cos_rows, t, hd, generator=gen) * 4
+    cos, sin = angle.cos().to(DEVICE, dtype), angle.sin().to(DEVICE, dtype)
+    kv0 = torch.randn(B, 2, Hkv, past + t, hd, generator=gen).to(DEVICE, dtype)
+    kv_ref, kv_got = kv0.clone(), kv0.clone()
+    q_ref = rope_kv_torch(proj, cos, sin, kv_ref, past, H, Hkv, hd)
+    with kernels.backend("triton"):
+        q_got = rope_kv(proj, cos, sin, kv_got, past, H, Hkv, hd)
+    assert q_got.shape == q_ref.shape == (B, H, t, hd)
+    assert torch.equal(kv_got[..., :past, :], kv0[..., :past, :])
+    if dtype == torch.float32:
+        assert (q_got - q_ref).abs().max().item() < 1e-6 and (kv_got - kv_ref).abs().max().item() < 1e-6
+        return
+    # bf16 against the fp32 formula: two roundings (the interpreter truncates), so within two ulps of the terms
+    n_qk = (H + Hkv) * hd
+    qk, rot = (proj[..., o: o + n_qk].float().view(B, t, H + Hkv, hd) for o in (0, n_qk))
+    c, s = cos.float()[:, :, None], sin.float()[:, :, None]
+    exact, size = (qk * c + rot * s).transpose(1, 2), (qk * c).abs().add((rot * s).abs()).transpose(1, 2)
+    got = torch.cat([q_got, kv_got[:, 0, :, past:]], dim=1).float()
+    assert torch.all((got - exact).abs() <= size * 2.0**-6 + 1e-6)
+    assert torch.equal(kv_got[:, 1, :, past:], proj[..., 2 * n_qk:].view(B, t, Hkv, hd).transpose(1, 2))

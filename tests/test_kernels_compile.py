@@ -71,6 +71,12 @@ def compile_codec(dtype: str) -> None:
     for on, block_c, block_t in (((), 128, 16), (flags, 128, 16), (("HAS_BIAS", "HAS_RES", "STORE_X", "SNAKE",
                                  "HAS_TIN", "HAS_TOUT"), 2, 1024), (("HAS_BIAS", "CLAMP"), 1, 1024)):
         _compile(snake._kernel(), dtype, {f: f in on for f in flags} | {"BLOCK_C": block_c, "BLOCK_T": block_t})
+    from engine.kernels import codec_transformer
+
+    norm, rope = codec_transformer._kernels()
+    for add in (True, False):
+        _compile(norm, dtype, {"HAS_ADD": add, "BLOCK": 512})
+    _compile(rope, dtype, {"HD": 64, "BLOCK": 64})
 
 
 def _in_fresh_python(what: str, dtype: str) -> None:

@@ -167,6 +167,8 @@ class CodecDecoder(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
         if config.sliding_window < 2:
             raise ValueError("sliding_window must be >= 2")
+        if config.num_hidden_layers < 1:
+            raise ValueError("the codec's transformer needs at least one layer")
         self.config = config
         c = config
         # Registration order mirrors the official module (state-dict order, randomize_codec_ draw order).

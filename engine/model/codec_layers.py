@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.kernels.snake import conv_window, snake
+from engine.kernels.codec_transformer import rope_kv, scaled_add_rms_norm
+from engine.kernels.snake import conv_window, snake, use_triton
 
 LAYOUTS = ("contiguous", "channels_last")
 LAYOUT_ENV = "VOICELANE_CODEC_LAYOUT"
@@ -392,7 +393,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:  # [..., D]; normalize in fp32, cast back, then scale
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return scaled_add_rms_norm(x, None, None, self.weight, self.eps)[1]
 
 
 class LayerScale(nn.Module):
@@ -403,9 +404,6 @@ class LayerScale(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.scale * x
 
-    def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
-        """residual + scale * x in one pass."""
-        return torch.addcmul(residual, self.scale, x)
 
 
 def _rotate_half_rows(w: Tensor, heads: int) -> Tensor:
@@ -442,28 +440,17 @@ class Attention(Prepared):
         self.qkv_weight = stack(lambda m: m.weight.detach())
         self.qkv_bias = stack(lambda m: m.bias.detach()) if self.q_proj.bias is not None else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-                past: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, kv: Tensor, past: int) -> Tensor:
         """x [B, t, D]; cos/sin [B|1, t, hd] (activation dtype); mask [B|1, 1, t, P+t] bool (True = attend);
-        past [B, 2, Hkv, P, hd] post-RoPE keys and values of the P frames before x. Returns (out [B, t, D],
-        (k, v) [B, Hkv, P+t, hd] each, or None when past is None)."""
+        kv [B, 2, Hkv, P+t, hd]: the post-RoPE keys and values of the P = `past` frames before x on entry; x's are
+        written after them (one kernel with RoPE, no cat). Returns out [B, t, D]."""
         B, t, _ = x.shape
         H, Hkv, hd = self.heads, self.kv_heads, self.head_dim
-        n_qk = (H + Hkv) * hd
-        proj = F.linear(x, self.qkv_weight, self.qkv_bias)  # [B, t, 2 * n_qk + Hkv * hd]
-        qk = proj[..., :n_qk].view(B, t, H + Hkv, hd)
-        qk_rot = proj[..., n_qk: 2 * n_qk].view(B, t, H + Hkv, hd)
-        qk = torch.addcmul(qk * cos[:, :, None], qk_rot, sin[:, :, None])  # RoPE: q*cos + rotate_half(q)*sin
-        q = qk[:, :, :H].transpose(1, 2)  # [B, H, t, hd]
-        k = qk[:, :, H:].transpose(1, 2)  # [B, Hkv, t, hd]
-        v = proj[..., 2 * n_qk:].view(B, t, Hkv, hd).transpose(1, 2)
-        kv = None
-        if past is not None:
-            k = torch.cat([past[:, 0], k], dim=2)  # [B, Hkv, P+t, hd]
-            v = torch.cat([past[:, 1], v], dim=2)
-            kv = (k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=H != Hkv)
-        return self.o_proj(out.transpose(1, 2).reshape(B, t, H * hd)), kv
+        proj = F.linear(x, self.qkv_weight, self.qkv_bias)  # [B, t, 2 * (H + Hkv) * hd + Hkv * hd]
+        q = rope_kv(proj, cos, sin, kv, past, H, Hkv, hd)  # [B, H, t, hd]
+        out = F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=mask, scale=self.scaling,
+                                             enable_gqa=H != Hkv)
+        return self.o_proj(out.transpose(1, 2).reshape(B, t, H * hd))
 
 
 class MLP(Prepared):
@@ -481,7 +468,12 @@ class MLP(Prepared):
         self.gate_up_weight = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        gate_up = F.linear(x, self.gate_up_weight)
+        if use_triton(x.device):
+            from engine.kernels.norm import swiglu  # one kernel, silu rounded before the multiply as below
+
+            return self.down_proj(swiglu(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
@@ -496,11 +488,7 @@ class TransformerLayer(nn.Module):
         self.self_attn_layer_scale = LayerScale(hidden, ls_init)
         self.mlp_layer_scale = LayerScale(hidden, ls_init)
 
-    def forward(self, x, cos, sin, mask, past=None):  # x [B, t, D]; see Attention.forward
-        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
-        x = self.self_attn_layer_scale.add_to(x, a)
-        x = self.mlp_layer_scale.add_to(x, self.mlp(self.post_attention_layernorm(x)))
-        return x, kv
+    # No forward: SlidingTransformer runs the layers, each LayerScale residual add fused with the RMSNorm after it.
 
 
 class RopeFreqs(nn.Module):
@@ -576,10 +564,21 @@ class SlidingTransformer(nn.Module):
             mask = self._stream_mask(pos, t)
         h = self.input_proj(x)  # [B, t, D]
         cos, sin = self.rotary_emb(qpos, h.dtype)
-        keep = self.window - 1
+        past = 0 if kv is None else self.window - 1
+        first = self.layers[0]
+        # Keys and values of every layer: the past frames (copied once), then each layer's new ones.
+        kv_all = h.new_empty(h.shape[0], len(self.layers), 2, first.self_attn.kv_heads, past + t,
+                             first.self_attn.head_dim)
+        if kv is not None:
+            kv_all[..., :past, :].copy_(kv)
+        norms = [m for layer in self.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+        scales = [m.scale for layer in self.layers for m in (layer.self_attn_layer_scale, layer.mlp_layer_scale)]
+        res, normed = scaled_add_rms_norm(h, None, None, norms[0].weight, norms[0].eps)
         for i, layer in enumerate(self.layers):
-            h, new_kv = layer(h, cos, sin, mask, None if kv is None else kv[:, i])
-            if kv is not None:
-                for j, full in enumerate(new_kv):  # [B, Hkv, W-1+t, hd]: keep the last W-1
-                    kv_out[:, i, j].copy_(full[:, :, full.shape[2] - keep:])
-        return self.output_proj(self.norm(h))
+            a = layer.self_attn(normed, cos, sin, mask, kv_all[:, i], past)
+            res, normed = scaled_add_rms_norm(res, scales[2 * i], a, norms[2 * i + 1].weight, norms[2 * i + 1].eps)
+            after = norms[2 * i + 2] if 2 * i + 2 < len(norms) else self.norm
+            res, normed = scaled_add_rms_norm(res, scales[2 * i + 1], layer.mlp(normed), after.weight, after.eps)
+        if kv is not None:
+            kv_out.copy_(kv_all[..., t:, :])  # keep the last W-1 frames
+        return self.output_proj(normed)
