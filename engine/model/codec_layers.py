@@ -533,6 +533,16 @@ class SlidingTransformer(nn.Module):
         self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
         self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
         self._window_masks: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
+        self._mask_values: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+
+    def _additive(self, mask: Tensor, dtype: torch.dtype) -> Tensor:
+        """bool mask -> 0 / -inf in dtype, once per step (SDPA would convert a bool mask in every layer: two
+        kernels each; the values are the same)."""
+        key = (dtype, mask.device)
+        if key not in self._mask_values:
+            self._mask_values[key] = (torch.zeros((), dtype=dtype, device=mask.device),
+                                      torch.full((), float("-inf"), dtype=dtype, device=mask.device))
+        return torch.where(mask, *self._mask_values[key])
 
     def _stream_mask(self, pos: Tensor, t: int) -> Tensor:
         """[B, 1, t, W-1+t] bool for queries at pos .. pos+t-1 over keys at pos-W+1 .. pos+t-1. The window part
@@ -563,6 +573,7 @@ class SlidingTransformer(nn.Module):
             qpos = pos[:, None] + torch.arange(t, device=x.device)  # [B, t]
             mask = self._stream_mask(pos, t)
         h = self.input_proj(x)  # [B, t, D]
+        mask = self._additive(mask, h.dtype)
         cos, sin = self.rotary_emb(qpos, h.dtype)
         past = 0 if kv is None else self.window - 1
         first = self.layers[0]
