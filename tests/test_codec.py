@@ -398,3 +398,28 @@ def test_layout_from_the_environment(monkeypatch):
     monkeypatch.setenv(codec_layers.LAYOUT_ENV, "nhwc")
     with pytest.raises(ValueError, match="choose one of contiguous, channels_last"):
         CodecDecoder(TINY)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stream_rows_with_different_chunk_sizes_in_one_batch(decoders, codes, whole, layout):
+    """Rows padded to one chunk size with per-row valid lengths: each row's real frames decode as if alone and
+    its state advances by its own count (checked past the 72-frame window), whatever the padding holds."""
+    dec = decoders[layout]
+    state = dec.new_stream_state(3)
+    slots = torch.tensor([2, 0])
+    out = [[], []]
+    done = [0, 0]
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for sizes in [(1, 4), (4, 1), (2, 2), (12, 5), (3, 12)] + [(12, 7), (5, 12)] * 6:
+            t = max(sizes)
+            batch = torch.randint(0, 2048, (2, 16, t), generator=g)  # padding: random codes
+            for r, n in enumerate(sizes):
+                batch[r, :, :n] = codes[r, :, done[r]:done[r] + n]
+            wave = dec.decode_stream(batch, state, slots, valid=torch.tensor(sizes))
+            for r, n in enumerate(sizes):
+                out[r].append(wave[r, : n * SPF])
+                done[r] += n
+    assert state.pos.tolist() == [done[1], 0, done[0]] and min(done) > 72
+    for r in range(2):
+        assert maxdiff(torch.cat(out[r]), whole[r, : done[r] * SPF]) < STREAM_TOL

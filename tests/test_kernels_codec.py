@@ -128,6 +128,24 @@ def test_conv_window_triton_equals_torch_path(channels_last, B, C, T, H, parts):
         assert torch.all(outs[1][0][..., :H] == 0)  # whole mode: zeros before the first sample
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("H", [0, 3, 18])
+def test_conv_window_per_row_valid_lengths(channels_last, H):
+    """tail_valid: each row's new history ends at its own last real sample (valid frames x samples per frame),
+    also where that leaves part of the old history in it; kernel and PyTorch path against the definition."""
+    gen = torch.Generator().manual_seed(H + 7)
+    B, C, frames, factor = 3, 5, 4, 3
+    T = frames * factor
+    y, tail_in = _activation(B, C, T, channels_last, gen), _activation(B, C, H, channels_last, gen)
+    valid = torch.tensor([4, 1, 2], device=DEVICE)
+    for fn in (sk.conv_window_torch, sk.conv_window_triton):
+        win, tail_out = _activation(B, C, H + T, channels_last, gen), _activation(B, C, H, channels_last, gen)
+        fn(y, win, tail_in=tail_in, tail_out=tail_out, tail_valid=valid, tail_factor=factor)
+        for b, n in enumerate(valid.tolist()):
+            assert torch.equal(tail_out[b], win[b, :, n * factor: n * factor + H])
+        assert torch.equal(win[..., :H], tail_in) and torch.equal(win[..., H:], y)
+
+
 def test_conv_window_triton_bf16_sums_and_rounds_once():
     """bf16: y + bias + residual summed in fp32 and rounded once (x_out), SnakeBeta of that rounded sum."""
     gen = torch.Generator().manual_seed(13)
@@ -159,8 +177,9 @@ def test_kernels_status_says_what_runs():
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_decoder_on_the_triton_path_equals_the_torch_path(layout):
-    """The tiny codec decoding a stream (1 + 2 frames, two rows) and a whole utterance with every window kernel on
-    Triton (forced; the interpreter on the CPU) equals the PyTorch path, in both activation layouts."""
+    """The tiny codec decoding a stream (1 + 2 frames, two rows, then a step of 2 and 1 valid frames) and a whole
+    utterance with every kernel on Triton (forced; the interpreter on the CPU) equals the PyTorch path, in both
+    activation layouts."""
     from engine import kernels
     from engine.model.codec import CodecConfig, CodecDecoder, randomize_codec_
 
@@ -169,11 +188,13 @@ def test_decoder_on_the_triton_path_equals_the_torch_path(layout):
     dec = randomize_codec_(CodecDecoder(tiny, layout=layout), seed=5).to(DEVICE).eval()
     codes = torch.randint(0, 2048, (2, 16, 3), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     results = {}
+    valid = torch.tensor([2, 1], device=DEVICE)
     for name in ("torch", "triton"):
         state, slots = dec.new_stream_state(3), torch.tensor([2, 0], device=DEVICE)
         with kernels.backend(name), torch.inference_mode():
             waves = [dec.decode_stream(codes[..., :1], state, slots), dec.decode_stream(codes[..., 1:], state, slots)]
-            results[name] = (torch.cat(waves, -1), state.flat.clone(), dec(codes[:1, :, :2])[:, 0])
+            mixed = dec.decode_stream(codes[..., :2], state, slots, valid=valid)  # rows of 2 and 1 frames
+            results[name] = (torch.cat(waves, -1), state.flat.clone(), dec(codes[:1, :, :2])[:, 0], mixed[1, :1920])
     for got, ref in zip(results["triton"], results["torch"], strict=True):
         assert (got - ref).abs().max().item() < 1e-5
     assert (results["torch"][0][:1, : 2 * 1920] - results["torch"][2]).abs().max().item() < 1e-5

@@ -67,10 +67,11 @@ def compile_attention(dtype: str) -> None:
 def compile_codec(dtype: str) -> None:
     from engine.kernels import snake
 
-    flags = ("HAS_BIAS", "HAS_RES", "STORE_X", "SNAKE", "CLAMP", "HAS_TIN", "HAS_TOUT")
-    for on, block_c, block_t in (((), 128, 16), (flags, 128, 16), (("HAS_BIAS", "HAS_RES", "STORE_X", "SNAKE",
-                                 "HAS_TIN", "HAS_TOUT"), 2, 1024), (("HAS_BIAS", "CLAMP"), 1, 1024)):
-        _compile(snake._kernel(), dtype, {f: f in on for f in flags} | {"BLOCK_C": block_c, "BLOCK_T": block_t})
+    flags = ("HAS_BIAS", "HAS_RES", "STORE_X", "SNAKE", "CLAMP", "HAS_TIN", "HAS_TOUT", "HAS_VALID")
+    unit = ("HAS_BIAS", "HAS_RES", "STORE_X", "SNAKE", "HAS_TIN", "HAS_TOUT")  # a residual unit's first window
+    for on, block_c, block_t in (((), 128, 16), (flags, 128, 16), (unit, 2, 1024), (("HAS_BIAS", "CLAMP"), 1, 1024)):
+        _compile(snake._kernel(), dtype, {f: f in on for f in flags} | {"BLOCK_C": block_c, "BLOCK_T": block_t},
+                 {"valid_ptr": "*i64"})
     from engine.kernels import codec_transformer
 
     norm, rope = codec_transformer._kernels()

@@ -9,7 +9,8 @@ this module only applies them.
     x = round(v)                 (to the activation dtype; optionally stored: the next residual)
     a = snake(x) or x            (optionally clamped to [-1, 1]: the decoder's output)
     win = [tail_in, a]           (the next convolution's input: H samples of history, zeros without a tail)
-    tail_out = win[..., T:]      (the history the next step of the stream starts from)
+    tail_out = win[..., T:]      (the history the next step of the stream starts from; with per-row valid
+                                  lengths, win[b, :, n_b : n_b + H] for n_b = tail_valid[b] * tail_factor)
 Every tensor may have any strides, so the same kernel serves activations stored [B, C, T] (time stride 1) and
 [B, T, C] (channels last, viewed as [B, C, T] with channel stride 1). tail_in and tail_out must not overlap.
 
@@ -61,12 +62,13 @@ def _kernel():
 
     @triton.jit
     def conv_window_kernel(y_ptr, bias_ptr, res_ptr, x_ptr, freq_ptr, inv_ptr, win_ptr, tin_ptr, tout_ptr,
-                           C, T, H,
+                           valid_ptr, factor, C, T, H,
                            y_sb, y_sc, y_st, r_sb, r_sc, r_st, x_sb, x_sc, x_st, w_sb, w_sc, w_st,
                            ti_sb, ti_sc, ti_st, to_sb, to_sc, to_st,
                            HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, STORE_X: tl.constexpr,
                            SNAKE: tl.constexpr, CLAMP: tl.constexpr, HAS_TIN: tl.constexpr,
-                           HAS_TOUT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+                           HAS_TOUT: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_C: tl.constexpr,
+                           BLOCK_T: tl.constexpr):
         # One tile: BLOCK_C channels x BLOCK_T window positions tau (tau < H: history, tau >= H: new sample
         # tau - H) of one batch row.
         b = tl.program_id(2).to(tl.int64)
@@ -100,7 +102,12 @@ def _kernel():
         a = v.to(win_ptr.dtype.element_ty)
         tl.store(win_ptr + b * w_sb + c * w_sc + tau * w_st, a, mask=in_win)
         if HAS_TOUT:
-            tl.store(tout_ptr + b * to_sb + c * to_sc + (tau - T) * to_st, a, mask=in_win & (tau >= T))
+            if HAS_VALID:  # this row's samples end at n: its new history is win[n : n + H]
+                n = tl.load(valid_ptr + b).to(tl.int32) * factor
+                tl.store(tout_ptr + b * to_sb + c * to_sc + (tau - n) * to_st, a,
+                         mask=in_win & (tau >= n) & (tau < n + H))
+            else:
+                tl.store(tout_ptr + b * to_sb + c * to_sc + (tau - T) * to_st, a, mask=in_win & (tau >= T))
 
     return conv_window_kernel
 
@@ -109,14 +116,14 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _check_window(y: Tensor, win: Tensor, bias, res, freq, inv_mag, x_out, tail_in, tail_out) -> int:
+def _check_window(y: Tensor, win: Tensor, bias, res, freq, inv_mag, x_out, tail_in, tail_out, tail_valid) -> int:
     """Shape checks shared by both paths; returns H, the window's history length."""
     B, C, T = y.shape
     if win.dim() != 3 or win.shape[:2] != (B, C) or win.shape[2] < T:
         raise ValueError(f"conv_window: window {tuple(win.shape)} for input {tuple(y.shape)}")
     H = win.shape[2] - T
     for name, t, shape in (("res", res, (B, C, T)), ("x_out", x_out, (B, C, T)), ("tail_in", tail_in, (B, C, H)),
-                           ("tail_out", tail_out, (B, C, H)), ("bias", bias, (C,))):
+                           ("tail_out", tail_out, (B, C, H)), ("bias", bias, (C,)), ("tail_valid", tail_valid, (B,))):
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"conv_window: {name} has shape {tuple(t.shape)}, expected {shape}")
     if (freq is None) != (inv_mag is None) or (freq is not None and (freq.shape != (C,) or inv_mag.shape != (C,))):
@@ -127,10 +134,12 @@ def _check_window(y: Tensor, win: Tensor, bias, res, freq, inv_mag, x_out, tail_
 
 def conv_window_triton(y: Tensor, win: Tensor, *, bias: Tensor | None = None, res: Tensor | None = None,
                        freq: Tensor | None = None, inv_mag: Tensor | None = None, x_out: Tensor | None = None,
-                       tail_in: Tensor | None = None, tail_out: Tensor | None = None, clamp: bool = False) -> Tensor:
+                       tail_in: Tensor | None = None, tail_out: Tensor | None = None, clamp: bool = False,
+                       tail_valid: Tensor | None = None, tail_factor: int = 1) -> Tensor:
     """See the module docstring: y, res, x_out [B, C, T]; win [B, C, H + T]; tail_in, tail_out [B, C, H];
-    bias, freq, inv_mag [C]. Any strides. Returns win."""
-    H = _check_window(y, win, bias, res, freq, inv_mag, x_out, tail_in, tail_out)
+    bias, freq, inv_mag [C]; tail_valid [B] int64 (each row's valid inputs, in units of tail_factor samples;
+    None: all T). Any strides. Returns win."""
+    H = _check_window(y, win, bias, res, freq, inv_mag, x_out, tail_in, tail_out, tail_valid)
     B, C, T = y.shape
     if B * C * (H + T) == 0:
         return win
@@ -153,17 +162,20 @@ def conv_window_triton(y: Tensor, win: Tensor, *, bias: Tensor | None = None, re
         y, dummy if bias is None else bias, dummy if res is None else res, dummy if x_out is None else x_out,
         dummy if freq is None else freq, dummy if inv_mag is None else inv_mag, win,
         dummy if tail_in is None else tail_in, dummy if tail_out is None else tail_out,
-        C, T, H, *y.stride(), *strides(res), *strides(x_out), *win.stride(), *strides(tail_in), *strides(tail_out),
+        dummy if tail_valid is None else tail_valid, tail_factor, C, T, H,
+        *y.stride(), *strides(res), *strides(x_out), *win.stride(), *strides(tail_in), *strides(tail_out),
         HAS_BIAS=bias is not None, HAS_RES=res is not None, STORE_X=x_out is not None, SNAKE=freq is not None,
-        CLAMP=clamp, HAS_TIN=tail_in is not None, HAS_TOUT=tail_out is not None, BLOCK_C=block_c, BLOCK_T=block_t)
+        CLAMP=clamp, HAS_TIN=tail_in is not None, HAS_TOUT=tail_out is not None, HAS_VALID=tail_valid is not None,
+        BLOCK_C=block_c, BLOCK_T=block_t)
     return win
 
 
 def conv_window_torch(y: Tensor, win: Tensor, *, bias: Tensor | None = None, res: Tensor | None = None,
                       freq: Tensor | None = None, inv_mag: Tensor | None = None, x_out: Tensor | None = None,
-                      tail_in: Tensor | None = None, tail_out: Tensor | None = None, clamp: bool = False) -> Tensor:
+                      tail_in: Tensor | None = None, tail_out: Tensor | None = None, clamp: bool = False,
+                      tail_valid: Tensor | None = None, tail_factor: int = 1) -> Tensor:
     """The same as conv_window_triton in PyTorch ops."""
-    H = _check_window(y, win, bias, res, freq, inv_mag, x_out, tail_in, tail_out)
+    H = _check_window(y, win, bias, res, freq, inv_mag, x_out, tail_in, tail_out, tail_valid)
     T = y.shape[2]
     new = win[..., H:]
     v = y
@@ -187,8 +199,11 @@ def conv_window_torch(y: Tensor, win: Tensor, *, bias: Tensor | None = None, res
             win[..., :H].zero_()
         else:
             win[..., :H].copy_(tail_in)
-        if tail_out is not None:
+        if tail_out is not None and tail_valid is None:
             tail_out.copy_(win[..., T:])
+        elif tail_out is not None:
+            index = tail_valid[:, None] * tail_factor + torch.arange(H, device=win.device)  # [B, H]
+            tail_out.copy_(win.gather(2, index[:, None, :].expand(tail_out.shape)))
     return win
 
 

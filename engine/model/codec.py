@@ -222,7 +222,7 @@ class CodecDecoder(nn.Module):
 
     @torch.no_grad()  # inference only: the Triton kernels and the in-place state updates have no backward
     def _run(self, codes: Tensor, io: TailIO | None, pos: Tensor | None, kv: Tensor | None,
-             kv_out: Tensor | None) -> Tensor:
+             kv_out: Tensor | None, valid: Tensor | None = None) -> Tensor:
         """codes [B, Q, t] -> wave [B, 1, t*spf]; in streaming mode the new window of keys and values is written to
         kv_out and the new conv tails to io.tails_out."""
         if codes.shape[1] != self.config.num_quantizers:
@@ -230,7 +230,7 @@ class CodecDecoder(nn.Module):
         self._ensure_prepared()
         x = self.quantizer.decode(codes)  # [B, codebook_dim, t]
         x = self.pre_conv(x, io)  # [B, latent, t]
-        x = self.pre_transformer(x.transpose(1, 2), pos, kv, kv_out)  # [B, t, latent]
+        x = self.pre_transformer(x.transpose(1, 2), pos, kv, kv_out, valid)  # [B, t, latent]
         x = x.transpose(1, 2)  # [B, latent, t]
         for stage in self.upsample:
             x = stage(x, io)  # [B, latent, t * prod(upsampling_ratios)]
@@ -259,12 +259,18 @@ class CodecDecoder(nn.Module):
                                 flat=torch.zeros(num_slots, self.state_layout.width, dtype=dtype, device=device),
                                 layout=self.state_layout)
 
-    def decode_stream(self, codes: Tensor, state: CodecStreamState, slots: Tensor) -> Tensor:
+    def decode_stream(self, codes: Tensor, state: CodecStreamState, slots: Tensor,
+                      valid: Tensor | None = None) -> Tensor:
         """Decode t new frames for each of B streams: codes LongTensor [B, Q, t] (values in [0, codebook_size):
         not checked here, that would need a host sync), slots LongTensor [B] (distinct, on the state's device;
         rows may be at different positions). Reads and updates those slots of `state` in place and returns wave
         [B, t * samples_per_frame]. Static shapes per (B, t), no host syncs, so a call can be captured in a CUDA
-        graph per (B, t) with static codes/slots buffers. Any t >= 1 works (also t > 72)."""
+        graph per (B, t) with static codes/slots buffers. Any t >= 1 works (also t > 72).
+
+        valid: LongTensor [B] in [1, t] (on the state's device; not checked), for a batch of rows with different
+        chunk sizes padded to t: row b's first valid[b] frames are decoded and its state advances by valid[b]
+        frames, as if it had been called with those frames alone; the samples of its padding frames (from
+        valid[b] * samples_per_frame on) are garbage, to be cut off by the caller."""
         if state.layout != self.state_layout:
             raise ValueError(f"stream state laid out for another codec layout than {self.layout!r}: make it with "
                              "new_stream_state after set_layout")
@@ -274,9 +280,9 @@ class CodecDecoder(nn.Module):
         kv, tails = state.layout.views(rows)
         kv_out, tails_out = state.layout.views(new_rows)
         pos = state.pos.index_select(0, slots)  # [B]
-        wave = self._run(codes, TailIO(tails, tails_out), pos, kv, kv_out)
+        wave = self._run(codes, TailIO(tails, tails_out, valid, t), pos, kv, kv_out, valid)
         state.flat.index_copy_(0, slots, new_rows)  # one scatter
-        state.pos.index_copy_(0, slots, pos + t)
+        state.pos.index_copy_(0, slots, pos + (t if valid is None else valid))
         return wave[:, 0]
 
 

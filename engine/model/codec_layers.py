@@ -82,10 +82,16 @@ class Prepared(nn.Module):
 class TailIO:
     """Per-call carrier of convolution histories: `tails_in[i]` ([B, C_i, H_i], a view into the gathered stream
     state) holds the history of conv `i` on entry; the conv writes its updated history (the last H_i samples of
-    [history, new input]) to `tails_out[i]` (another buffer: the two must not overlap)."""
+    [history, new input]) to `tails_out[i]` (another buffer: the two must not overlap).
 
-    def __init__(self, tails_in: list[Tensor], tails_out: list[Tensor]):
+    valid [B] int64 (or None: every frame): how many of the call's `frames` frames are real in each row; the rest
+    is padding, and each new history ends at the row's last real sample (causal layers never let the padding
+    reach a real output)."""
+
+    def __init__(self, tails_in: list[Tensor], tails_out: list[Tensor], valid: Tensor | None = None,
+                 frames: int = 1):
         self.tails_in, self.tails_out = tails_in, tails_out
+        self.valid, self.frames = valid, frames
 
 
 class Pre(NamedTuple):
@@ -120,10 +126,13 @@ def run_window(x: Tensor | Pre, history: int, act: SnakeBeta | None = None, *, i
     if keep_input:
         kept = y if summed else new_activation(y, B, C, T, channels_last)
     stream = io is not None and history > 0
+    per_row = {}
+    if stream and io.valid is not None:  # T = frames * samples per frame here
+        per_row = {"tail_valid": io.valid, "tail_factor": T // io.frames}
     conv_window(y, win, bias=bias, res=res, freq=None if act is None else act.freq,
                 inv_mag=None if act is None else act.inv_mag, x_out=None if kept is y else kept,
                 tail_in=io.tails_in[tail_id] if stream else None, tail_out=io.tails_out[tail_id] if stream else None,
-                clamp=clamp)
+                clamp=clamp, **per_row)
     return win, kept
 
 
@@ -557,11 +566,12 @@ class SlidingTransformer(nn.Module):
         return (window & (pos[:, None, None] + rel >= 0))[:, None]
 
     def forward(self, x: Tensor, pos: Tensor | None = None, kv: Tensor | None = None,
-                kv_out: Tensor | None = None) -> Tensor:
+                kv_out: Tensor | None = None, valid: Tensor | None = None) -> Tensor:
         """x [B, t, latent] -> y [B, t, latent]. Whole mode: pos and kv None, frames are at positions 0..t-1.
         Streaming: pos [B] int64 = position of x's first frame per row; kv [B, L, 2, Hkv, W-1, hd] holds the keys
         and values of positions pos-W+1 .. pos-1 (entries at negative positions are masked out); those of
-        pos+t-W+1 .. pos+t-1 are written to kv_out (same shape; default: kv itself, in place)."""
+        pos+n-W+1 .. pos+n-1 are written to kv_out (same shape; default: kv itself, in place), n = t, or valid[b]
+        ([B] int64, 1 <= n <= t) for rows whose frames past n are padding."""
         if kv_out is None:
             kv_out = kv
         t = x.shape[1]
@@ -590,6 +600,9 @@ class SlidingTransformer(nn.Module):
             res, normed = scaled_add_rms_norm(res, scales[2 * i], a, norms[2 * i + 1].weight, norms[2 * i + 1].eps)
             after = norms[2 * i + 2] if 2 * i + 2 < len(norms) else self.norm
             res, normed = scaled_add_rms_norm(res, scales[2 * i + 1], layer.mlp(normed), after.weight, after.eps)
-        if kv is not None:
+        if kv is not None and valid is None:
             kv_out.copy_(kv_all[..., t:, :])  # keep the last W-1 frames
+        elif kv is not None:  # the W-1 frames before each row's end
+            index = valid.view(-1, 1, 1, 1, 1, 1) + torch.arange(past, device=valid.device).view(1, 1, 1, 1, -1, 1)
+            kv_out.copy_(kv_all.gather(4, index.expand(kv_out.shape)))
         return self.output_proj(normed)
