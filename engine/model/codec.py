@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from engine.model.codec_layers import (
     CausalConv1d,
+    CausalConvBase,
     DecoderBlock,
     Prepared,
     SlidingTransformer,
@@ -45,7 +46,6 @@ from engine.model.codec_layers import (
     SplitRVQ,
     TailIO,
     UpsampleStage,
-    _CausalConv,
     layout_choice,
     run_window,
 )
@@ -185,7 +185,7 @@ class CodecDecoder(nn.Module):
         # Number the convolutions that need input history; (channels, history) per tail, in that order.
         self.tail_shapes: list[tuple[int, int]] = []
         for m in self.modules():
-            if isinstance(m, _CausalConv) and m.history > 0:
+            if isinstance(m, CausalConvBase) and m.history > 0:
                 m.tail_id = len(self.tail_shapes)
                 self.tail_shapes.append((m.conv.in_channels, m.history))
         self._prepared = [m for m in self.modules() if isinstance(m, Prepared)]
@@ -198,7 +198,7 @@ class CodecDecoder(nn.Module):
         self.layout = layout_choice(layout)
         channels_last = self.layout == "channels_last"
         for m in self.modules():
-            if isinstance(m, _CausalConv):
+            if isinstance(m, CausalConvBase):
                 m.channels_last = channels_last
         c = self.config
         kv_shape = (c.num_hidden_layers, 2, c.num_key_value_heads, c.sliding_window - 1, c.head_dim)

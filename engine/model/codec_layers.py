@@ -136,7 +136,7 @@ def run_window(x: Tensor | Pre, history: int, act: SnakeBeta | None = None, *, i
     return win, kept
 
 
-class _CausalConv(Prepared):
+class CausalConvBase(Prepared):
     """A causal (transposed) convolution: its input window, its layout and its weights as 4-D [.., .., 1, k].
 
     `defer_bias`: return Pre(output, bias) and let the next window add the bias (True), or add it in the
@@ -185,7 +185,7 @@ class _CausalConv(Prepared):
         return (out, kept) if keep_input else out
 
 
-class CausalConv1d(_CausalConv):
+class CausalConv1d(CausalConvBase):
     """Stride-1 conv that sees only the present and the past: (k-1)*dilation samples of left context."""
 
     def __init__(self, cin: int, cout: int, kernel_size: int, dilation: int = 1, groups: int = 1,
@@ -197,7 +197,7 @@ class CausalConv1d(_CausalConv):
         return F.conv2d(x4, weight, bias, dilation=(1, self.conv.dilation[0]), groups=self.conv.groups)
 
 
-class CausalConvTranspose1d(_CausalConv):
+class CausalConvTranspose1d(CausalConvBase):
     """Transposed conv (kernel k >= stride s) with the causal cut: T inputs give T*s outputs and output j depends on
     inputs <= j // s. It reads h = ceil(k/s) - 1 past inputs (zeros in whole mode), and its padding drops exactly
     the h*s outputs of those past frames at the start and the k - s trailing ones at the end (output_padding
