@@ -423,3 +423,20 @@ def test_stream_rows_with_different_chunk_sizes_in_one_batch(decoders, codes, wh
     assert state.pos.tolist() == [done[1], 0, done[0]] and min(done) > 72
     for r in range(2):
         assert maxdiff(torch.cat(out[r]), whole[r, : done[r] * SPF]) < STREAM_TOL
+
+
+def test_attention_reads_dense_queries_keys_and_values(dec, codes, monkeypatch):
+    """Each layer's keys and values (past frames then new ones) reach SDPA as dense tensors (no copy inside it),
+    queries with a unit stride along the head dimension, with one additive mask for all layers."""
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append((q.stride(-1) == 1, k.is_contiguous(), v.is_contiguous(), attn_mask.dtype == q.dtype,
+                     attn_mask.data_ptr()))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(codec_layers.F, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        dec.decode_stream(codes[:, :, :3], dec.new_stream_state(2), torch.arange(2))
+    assert len(seen) == TINY.num_hidden_layers
+    assert {s[:4] for s in seen} == {(True, True, True, True)} and len({s[4] for s in seen}) == 1

@@ -587,22 +587,25 @@ class SlidingTransformer(nn.Module):
         cos, sin = self.rotary_emb(qpos, h.dtype)
         past = 0 if kv is None else self.window - 1
         first = self.layers[0]
-        # Keys and values of every layer: the past frames (copied once), then each layer's new ones.
-        kv_all = h.new_empty(h.shape[0], len(self.layers), 2, first.self_attn.kv_heads, past + t,
+        # Keys and values of every layer, [L, 2, B, Hkv, past + t, hd] (so each layer's keys and values are dense
+        # tensors for SDPA): the past frames (copied in once), then each layer's new ones (written by RoPE).
+        kv_all = h.new_empty(len(self.layers), 2, h.shape[0], first.self_attn.kv_heads, past + t,
                              first.self_attn.head_dim)
+        as_rows = (2, 0, 1, 3, 4, 5)  # kv_all.permute(as_rows): [B, L, 2, Hkv, past + t, hd], the state's order
         if kv is not None:
-            kv_all[..., :past, :].copy_(kv)
+            kv_all.permute(as_rows)[..., :past, :].copy_(kv)
         norms = [m for layer in self.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
         scales = [m.scale for layer in self.layers for m in (layer.self_attn_layer_scale, layer.mlp_layer_scale)]
         res, normed = scaled_add_rms_norm(h, None, None, norms[0].weight, norms[0].eps)
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn(normed, cos, sin, mask, kv_all[:, i], past)
+            a = layer.self_attn(normed, cos, sin, mask, kv_all[i].transpose(0, 1), past)
             res, normed = scaled_add_rms_norm(res, scales[2 * i], a, norms[2 * i + 1].weight, norms[2 * i + 1].eps)
             after = norms[2 * i + 2] if 2 * i + 2 < len(norms) else self.norm
             res, normed = scaled_add_rms_norm(res, scales[2 * i + 1], layer.mlp(normed), after.weight, after.eps)
         if kv is not None and valid is None:
-            kv_out.copy_(kv_all[..., t:, :])  # keep the last W-1 frames
+            kv_out.copy_(kv_all.permute(as_rows)[..., t:, :])  # keep the last W-1 frames
         elif kv is not None:  # the W-1 frames before each row's end
-            index = valid.view(-1, 1, 1, 1, 1, 1) + torch.arange(past, device=valid.device).view(1, 1, 1, 1, -1, 1)
-            kv_out.copy_(kv_all.gather(4, index.expand(kv_out.shape)))
+            index = valid.view(1, 1, -1, 1, 1, 1) + torch.arange(past, device=valid.device).view(1, 1, 1, 1, -1, 1)
+            kept = kv_all.gather(4, index.expand(*kv_all.shape[:4], past, kv_all.shape[5]))
+            kv_out.copy_(kept.permute(as_rows))
         return self.output_proj(normed)
