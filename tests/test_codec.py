@@ -12,8 +12,11 @@ import dataclasses
 import pytest
 import qwen_oracle
 import torch
+import torch.nn.functional as F
 
+from engine.model import codec_layers
 from engine.model.codec import CodecConfig, CodecDecoder, randomize_codec_
+from engine.model.codec_layers import LAYOUTS, CausalConvTranspose1d, Pre, TailIO
 
 SPF = 1920
 N_LONG = 340  # > 300 (where the official chunked_decode stops being exact) and > 4 windows of 72
@@ -46,6 +49,17 @@ def official_decoder(cfg: CodecConfig, attn: str = "eager"):
 @pytest.fixture(scope="module")
 def dec() -> CodecDecoder:
     return randomize_codec_(CodecDecoder(TINY), seed=1234).eval()
+
+
+@pytest.fixture(scope="module")
+def decoders(dec) -> dict[str, CodecDecoder]:
+    """dec's weights in every activation layout."""
+    out = {}
+    for layout in LAYOUTS:
+        d = CodecDecoder(TINY, layout=layout).eval()
+        d.load_state_dict(dec.state_dict())
+        out[layout] = d
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -221,22 +235,26 @@ def test_stream_fixed_chunks(dec, codes, whole, chunk):
     assert maxdiff(got, whole[:, : n * SPF]) < STREAM_TOL
 
 
-def test_stream_ramp_past_300_frames(dec, codes, whole):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stream_ramp_past_300_frames(decoders, codes, whole, layout):
     sizes = ramp(N_LONG)  # 1, 2, 4, 8, 12, 12, ..., 340 frames in all
-    got = stream(dec, codes, sizes)
+    got = stream(decoders[layout], codes, sizes)
     assert maxdiff(got, whole) < STREAM_TOL
 
 
-def test_stream_chunks_longer_than_window(dec, codes, whole):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stream_chunks_longer_than_window(decoders, codes, whole, layout):
     sizes = [3, 80, 1, 100, 7]  # chunks that span more than 72 frames by themselves
     n = sum(sizes)
-    got = stream(dec, codes[..., :n], sizes)
+    got = stream(decoders[layout], codes[..., :n], sizes)
     assert maxdiff(got, whole[:, : n * SPF]) < STREAM_TOL
 
 
-def test_stream_slots_at_different_positions_and_reset(dec, codes, whole):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stream_slots_at_different_positions_and_reset(decoders, codes, whole, layout):
     """Two utterances in slots 3 and 1 of a 4-slot state, 45 frames apart, batched together (rows in either
     order); then slot 3 is reset and reused for a fresh decode while slot 1 keeps going."""
+    dec = decoders[layout]
     state = dec.new_stream_state(4)
     a, b = codes[0:1], codes[1:2]
     lag = 45
@@ -286,3 +304,139 @@ def test_bf16_runs_and_stays_close(dec, codes, whole):
     assert got.dtype == torch.bfloat16 and ref16.dtype == torch.bfloat16
     assert maxdiff(got.float(), ref16.float()) < 0.05
     assert maxdiff(got.float(), whole[:, : n * SPF]) < 0.1
+
+
+# ------------------------------------------------------------------------------------ layouts, causal cut
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_equals_official_to_fp32_rounding(decoders, codes, layout):
+    """Both activation layouts give the official decode to fp32 rounding (bias and residual adds moved into the
+    next kernel, transposed convs cut by their padding, 2-D convs over [B, C, 1, T] views)."""
+    official = official_decoder(TINY, "eager")
+    official.load_state_dict(decoders[layout].state_dict(), strict=True)
+    n = 90
+    with torch.no_grad():
+        ref, got = official(codes[..., :n]), decoders[layout](codes[..., :n])
+    assert got.shape == ref.shape == (2, 1, n * SPF)
+    assert maxdiff(got, ref) < 2e-6  # 4e-7 / 7e-7 at the time of writing (contiguous / channels_last)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_convolutions_read_and_write_the_layout(decoders, codes, layout, monkeypatch):
+    """Every convolution's input, weight and output are dense in the layout's memory format (channels_last: NHWC
+    over the [B, C, 1, T] view, so cuDNN needs no NCHW<->NHWC transposes), and a transposed conv's output starts
+    at its own storage (no offset slice)."""
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    seen = []
+
+    def spy(fn):
+        def call(x, w, *args, **kw):
+            y = fn(x, w, *args, **kw)
+            seen.append((fn.__name__, x.is_contiguous(memory_format=fmt), w.is_contiguous(memory_format=fmt),
+                         y.is_contiguous(memory_format=fmt), y.storage_offset()))
+            return y
+        return call
+
+    monkeypatch.setattr(codec_layers.F, "conv2d", spy(F.conv2d))
+    monkeypatch.setattr(codec_layers.F, "conv_transpose2d", spy(F.conv_transpose2d))
+    d = decoders[layout]
+    with torch.no_grad():
+        d(codes[:1, :, :3])
+        d.decode_stream(codes[:, :, :2], d.new_stream_state(2), torch.arange(2))
+    n_convs = sum(isinstance(m, codec_layers.CausalConvBase) for m in d.modules())
+    assert len(seen) == 2 * n_convs
+    assert {s[1:] for s in seen} == {(True, True, True, 0)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kernel,stride", [(2, 2), (4, 2), (16, 8), (10, 5), (6, 3), (7, 3), (9, 4), (3, 1)])
+def test_transposed_conv_gives_exactly_the_causal_cut(kernel, stride, layout):
+    """padding h*s and output_padding s*ceil(k/s) - k make the output exactly the kept T*s samples of
+    conv_transpose1d(x)[..., :T*s] (whole mode) and of the same with h input frames of history (streaming): for
+    the real kernels (2s, and s for the upsampling) and others, with and without output_padding."""
+    g = torch.Generator().manual_seed(kernel * 10 + stride)
+    up = CausalConvTranspose1d(6, 5, kernel, stride)
+    with torch.no_grad():
+        up.conv.weight.copy_(torch.randn(up.conv.weight.shape, generator=g))
+        up.conv.bias.copy_(torch.randn(5, generator=g))
+    up.channels_last = layout == "channels_last"
+    up.prepare_inference()
+    assert 0 <= up.output_padding < stride
+    x = torch.randn(2, 6, 11, generator=g)
+    with torch.no_grad():
+        ref = F.conv_transpose1d(x, up.conv.weight, up.conv.bias, stride=stride)[..., : 11 * stride]
+
+        def total(out: Pre) -> torch.Tensor:
+            dense = out.y.transpose(1, 2) if up.channels_last else out.y
+            assert isinstance(out, Pre) and out.y.storage_offset() == 0 and dense.is_contiguous()
+            return out.y + out.bias[:, None]
+
+        assert maxdiff(total(up(x)), ref) < 1e-5
+        h = up.history
+        tail = torch.zeros(2, 6, h)
+        parts, t0 = [], 0
+        for n in (1, 3, 7):  # streaming: the tail carries the last h inputs
+            new_tail = torch.full_like(tail, float("nan"))
+            parts.append(total(up(x[..., t0:t0 + n], TailIO([tail], [new_tail]) if h else None)))
+            tail, t0 = new_tail, t0 + n
+    assert maxdiff(torch.cat(parts, -1), ref) < 1e-5
+
+
+def test_stream_state_of_another_layout_is_refused(decoders, codes):
+    state = decoders["contiguous"].new_stream_state(1)
+    with pytest.raises(ValueError, match="another codec layout"):
+        decoders["channels_last"].decode_stream(codes[:1, :, :1], state, torch.arange(1))
+
+
+def test_layout_from_the_environment(monkeypatch):
+    monkeypatch.setenv(codec_layers.LAYOUT_ENV, "channels_last")
+    assert CodecDecoder(TINY).layout == "channels_last"
+    monkeypatch.setenv(codec_layers.LAYOUT_ENV, "")
+    assert CodecDecoder(TINY).layout == codec_layers.DEFAULT_LAYOUT
+    assert CodecDecoder(TINY, layout="contiguous").layout == "contiguous"
+    monkeypatch.setenv(codec_layers.LAYOUT_ENV, "nhwc")
+    with pytest.raises(ValueError, match="choose one of contiguous, channels_last"):
+        CodecDecoder(TINY)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stream_rows_with_different_chunk_sizes_in_one_batch(decoders, codes, whole, layout):
+    """Rows padded to one chunk size with per-row valid lengths: each row's real frames decode as if alone and
+    its state advances by its own count (checked past the 72-frame window), whatever the padding holds."""
+    dec = decoders[layout]
+    state = dec.new_stream_state(3)
+    slots = torch.tensor([2, 0])
+    out = [[], []]
+    done = [0, 0]
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for sizes in [(1, 4), (4, 1), (2, 2), (12, 5), (3, 12)] + [(12, 7), (5, 12)] * 6:
+            t = max(sizes)
+            batch = torch.randint(0, 2048, (2, 16, t), generator=g)  # padding: random codes
+            for r, n in enumerate(sizes):
+                batch[r, :, :n] = codes[r, :, done[r]:done[r] + n]
+            wave = dec.decode_stream(batch, state, slots, valid=torch.tensor(sizes))
+            for r, n in enumerate(sizes):
+                out[r].append(wave[r, : n * SPF])
+                done[r] += n
+    assert state.pos.tolist() == [done[1], 0, done[0]] and min(done) > 72
+    for r in range(2):
+        assert maxdiff(torch.cat(out[r]), whole[r, : done[r] * SPF]) < STREAM_TOL
+
+
+def test_attention_reads_dense_queries_keys_and_values(dec, codes, monkeypatch):
+    """Each layer's keys and values (past frames then new ones) reach SDPA as dense tensors (no copy inside it),
+    queries with a unit stride along the head dimension, with one additive mask for all layers."""
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append((q.stride(-1) == 1, k.is_contiguous(), v.is_contiguous(), attn_mask.dtype == q.dtype,
+                     attn_mask.data_ptr()))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(codec_layers.F, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        dec.decode_stream(codes[:, :, :3], dec.new_stream_state(2), torch.arange(2))
+    assert len(seen) == TINY.num_hidden_layers
+    assert {s[:4] for s in seen} == {(True, True, True, True)} and len({s[4] for s in seen}) == 1

@@ -80,8 +80,86 @@ def test_snake_rejects_bad_shapes():
         sk.snake_triton(x, torch.ones(3, device=DEVICE), c)
     with pytest.raises(ValueError, match="out has shape"):
         sk.snake_triton(x, c, c, out=torch.zeros(1, 4, 9, device=DEVICE))
-    with pytest.raises(ValueError, match="time stride"):
-        sk.snake_triton(x.transpose(1, 2).contiguous().transpose(1, 2), c, c)
+    with pytest.raises(ValueError, match="tail_out has shape"):
+        sk.conv_window_triton(x, torch.zeros(1, 4, 10, device=DEVICE), tail_out=torch.zeros(1, 4, 3, device=DEVICE))
+
+
+def test_snake_triton_channels_last():
+    """Channel stride 1 (a [B, T, C] tensor seen as [B, C, T]), in and out: the channels_last codec layout."""
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(2, 37, 6, generator=gen) * 3).to(DEVICE).transpose(1, 2)
+    freq, inv = constants(6, gen)
+    got = sk.snake_triton(x, freq, inv)
+    assert got.stride() == x.stride()
+    assert (got - sk.snake_reference(x, freq, inv)).abs().max().item() < 1e-5
+
+
+def _activation(B, C, T, channels_last, gen, dtype=torch.float32):
+    t = torch.randn(B, T, C, generator=gen).transpose(1, 2) if channels_last else torch.randn(B, C, T, generator=gen)
+    return t.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("B,C,T,H", [(2, 5, 7, 3), (1, 1, 9, 0), (2, 6, 2, 6), (1, 3, 1, 18), (1, 130, 40, 6)])
+@pytest.mark.parametrize("parts", ["all", "snake_tail", "bias_only", "clamp"])
+def test_conv_window_triton_equals_torch_path(channels_last, B, C, T, H, parts):
+    """The one-pass window kernel against the PyTorch path: bias + residual (stored), SnakeBeta, history in,
+    new history out (also when T < H, where part of the old history stays), clamp; fp32."""
+    gen = torch.Generator().manual_seed(B * 1000 + C * 10 + T + H)
+    y, res = _activation(B, C, T, channels_last, gen), _activation(B, C, T, channels_last, gen)
+    bias = torch.randn(C, generator=gen).to(DEVICE)
+    freq, inv = constants(C, gen)
+    tail_in = _activation(B, C, H, channels_last, gen)
+    kw = {"all": dict(bias=bias, res=res, freq=freq, inv_mag=inv, tail_in=tail_in),
+          "snake_tail": dict(freq=freq, inv_mag=inv, tail_in=tail_in), "bias_only": dict(bias=bias),
+          "clamp": dict(bias=bias, res=res, clamp=True)}[parts]
+    outs = []
+    for fn in (sk.conv_window_torch, sk.conv_window_triton):
+        win = _activation(B, C, H + T, channels_last, gen)
+        x_out = _activation(B, C, T, channels_last, gen) if parts == "all" else None
+        tail_out = _activation(B, C, H, channels_last, gen) if parts != "bias_only" else None
+        fn(y, win, x_out=x_out, tail_out=tail_out, **kw)
+        outs.append([t for t in (win, x_out, tail_out) if t is not None])
+    for ref, got in zip(*outs, strict=True):
+        assert got.shape == ref.shape
+        if ref.numel():
+            assert (got - ref).abs().max().item() < 1e-5
+    if parts == "bias_only" and H:
+        assert torch.all(outs[1][0][..., :H] == 0)  # whole mode: zeros before the first sample
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("H", [0, 3, 18])
+def test_conv_window_per_row_valid_lengths(channels_last, H):
+    """tail_valid: each row's new history ends at its own last real sample (valid frames x samples per frame),
+    also where that leaves part of the old history in it; kernel and PyTorch path against the definition."""
+    gen = torch.Generator().manual_seed(H + 7)
+    B, C, frames, factor = 3, 5, 4, 3
+    T = frames * factor
+    y, tail_in = _activation(B, C, T, channels_last, gen), _activation(B, C, H, channels_last, gen)
+    valid = torch.tensor([4, 1, 2], device=DEVICE)
+    for fn in (sk.conv_window_torch, sk.conv_window_triton):
+        win, tail_out = _activation(B, C, H + T, channels_last, gen), _activation(B, C, H, channels_last, gen)
+        fn(y, win, tail_in=tail_in, tail_out=tail_out, tail_valid=valid, tail_factor=factor)
+        for b, n in enumerate(valid.tolist()):
+            assert torch.equal(tail_out[b], win[b, :, n * factor: n * factor + H])
+        assert torch.equal(win[..., :H], tail_in) and torch.equal(win[..., H:], y)
+
+
+def test_conv_window_triton_bf16_sums_and_rounds_once():
+    """bf16: y + bias + residual summed in fp32 and rounded once (x_out), SnakeBeta of that rounded sum."""
+    gen = torch.Generator().manual_seed(13)
+    B, C, T = 2, 8, 50
+    y, res = (_activation(B, C, T, True, gen, torch.bfloat16) for _ in range(2))
+    bias = torch.randn(C, generator=gen).to(DEVICE, torch.bfloat16)
+    freq, inv = (c.to(torch.bfloat16) for c in constants(C, gen))
+    win, x_out = torch.empty(B, C, T, device=DEVICE, dtype=torch.bfloat16), torch.empty_like(y)
+    sk.conv_window_triton(y, win, bias=bias, res=res, freq=freq, inv_mag=inv, x_out=x_out)
+    exact = y.float() + bias.float()[:, None] + res.float()
+    ulp = exact.abs() * 2.0**-7 + 1e-30
+    assert torch.all((x_out.float() - exact).abs() <= ulp)
+    ref = sk.snake_reference(x_out.float(), freq.float(), inv.float())
+    assert torch.all((win.float() - ref).abs() <= ref.abs() * 2.0**-7 + 1e-30)
 
 
 def test_kernels_status_says_what_runs():
@@ -95,3 +173,89 @@ def test_kernels_status_says_what_runs():
         assert off["enabled"] is False and "switched off" in off["reason"]
     finally:
         sk.set_triton_enabled(True)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_decoder_on_the_triton_path_equals_the_torch_path(layout):
+    """The tiny codec decoding a stream (1 + 2 frames, two rows, then a step of 2 and 1 valid frames) and a whole
+    utterance with every kernel on Triton (forced; the interpreter on the CPU) equals the PyTorch path, in both
+    activation layouts."""
+    from engine import kernels
+    from engine.model.codec import CodecConfig, CodecDecoder, randomize_codec_
+
+    tiny = CodecConfig(codebook_dim=64, latent_dim=64, hidden_size=32, head_dim=8, num_attention_heads=4,
+                       num_key_value_heads=4, intermediate_size=64, num_hidden_layers=2, decoder_dim=96)
+    dec = randomize_codec_(CodecDecoder(tiny, layout=layout), seed=5).to(DEVICE).eval()
+    codes = torch.randint(0, 2048, (2, 16, 3), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    results = {}
+    valid = torch.tensor([2, 1], device=DEVICE)
+    for name in ("torch", "triton"):
+        state, slots = dec.new_stream_state(3), torch.tensor([2, 0], device=DEVICE)
+        with kernels.backend(name), torch.inference_mode():
+            waves = [dec.decode_stream(codes[..., :1], state, slots), dec.decode_stream(codes[..., 1:], state, slots)]
+            mixed = dec.decode_stream(codes[..., :2], state, slots, valid=valid)  # rows of 2 and 1 frames
+            results[name] = (torch.cat(waves, -1), state.flat.clone(), dec(codes[:1, :, :2])[:, 0], mixed[1, :1920])
+    for got, ref in zip(results["triton"], results["torch"], strict=True):
+        assert (got - ref).abs().max().item() < 1e-5
+    assert (results["torch"][0][:1, : 2 * 1920] - results["torch"][2]).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_add", [True, False])
+def test_scaled_add_rms_norm_triton_equals_torch_path(dtype, with_add):
+    """x + scale * a rounded once, then RMSNorm (fp32 inside, rounded, times the weight, rounded): the kernel
+    against the PyTorch path in fp32, and in bf16 against the fp32 formula (one rounding of the sum: within an
+    ulp; two of the norm: within two; the interpreter truncates where the GPU rounds to nearest)."""
+    from engine import kernels
+    from engine.kernels.codec_transformer import scaled_add_rms_norm, scaled_add_rms_norm_torch
+
+    gen = torch.Generator().manual_seed(3)
+    x, a = (torch.randn(2, 5, 48, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    scale, weight = (torch.rand(48, generator=gen).add(0.25).to(DEVICE, dtype) for _ in range(2))
+    ref_h, ref = scaled_add_rms_norm_torch(x, scale if with_add else None, a if with_add else None, weight, 1e-5)
+    with kernels.backend("triton"):
+        h, got = scaled_add_rms_norm(x, scale if with_add else None, a if with_add else None, weight, 1e-5)
+    assert got.shape == ref.shape == x.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        assert (h - ref_h).abs().max().item() < 1e-6 and (got - ref).abs().max().item() < 1e-5
+    else:
+        exact_h = x.float() + scale.float() * a.float() if with_add else x.float()
+        assert torch.all((h.float() - exact_h).abs() <= exact_h.abs() * 2.0**-7)
+        hf = h.float()
+        exact = weight.float() * hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)
+        assert torch.all((got.float() - exact).abs() <= exact.abs() * 2.0**-6 + 1e-6)
+    if not with_add:
+        assert h is x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cos_rows", [1, 3])
+def test_rope_kv_triton_equals_torch_path(dtype, cos_rows):
+    """RoPE of the stacked projection: q out, k and v written after the past frames of the key/value buffer (the
+    past left as it was); the kernel against the PyTorch path (fp32) and the fp32 formula (bf16)."""
+    from engine import kernels
+    from engine.kernels.codec_transformer import rope_kv, rope_kv_torch
+
+    gen = torch.Generator().manual_seed(4)
+    B, t, H, Hkv, hd, past = 3, 5, 4, 2, 8, 6
+    proj = torch.randn(B, t, (2 * (H + Hkv) + Hkv) * hd, generator=gen).to(DEVICE, dtype)
+    angle = torch.randn(cos_rows, t, hd, generator=gen) * 4
+    cos, sin = angle.cos().to(DEVICE, dtype), angle.sin().to(DEVICE, dtype)
+    kv0 = torch.randn(B, 2, Hkv, past + t, hd, generator=gen).to(DEVICE, dtype)
+    kv_ref, kv_got = kv0.clone(), kv0.clone()
+    q_ref = rope_kv_torch(proj, cos, sin, kv_ref, past, H, Hkv, hd)
+    with kernels.backend("triton"):
+        q_got = rope_kv(proj, cos, sin, kv_got, past, H, Hkv, hd)
+    assert q_got.shape == q_ref.shape == (B, H, t, hd)
+    assert torch.equal(kv_got[..., :past, :], kv0[..., :past, :])
+    if dtype == torch.float32:
+        assert (q_got - q_ref).abs().max().item() < 1e-6 and (kv_got - kv_ref).abs().max().item() < 1e-6
+        return
+    # bf16 against the fp32 formula: two roundings (the interpreter truncates), so within two ulps of the terms
+    n_qk = (H + Hkv) * hd
+    qk, rot = (proj[..., o: o + n_qk].float().view(B, t, H + Hkv, hd) for o in (0, n_qk))
+    c, s = cos.float()[:, :, None], sin.float()[:, :, None]
+    exact, size = (qk * c + rot * s).transpose(1, 2), (qk * c).abs().add((rot * s).abs()).transpose(1, 2)
+    got = torch.cat([q_got, kv_got[:, 0, :, past:]], dim=1).float()
+    assert torch.all((got - exact).abs() <= size * 2.0**-6 + 1e-6)
+    assert torch.equal(kv_got[:, 1, :, past:], proj[..., 2 * n_qk:].view(B, t, Hkv, hd).transpose(1, 2))

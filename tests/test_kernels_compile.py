@@ -75,6 +75,22 @@ def compile_linear(dtype: str) -> None:
                   "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 256}, pointers)
 
 
+def compile_codec(dtype: str) -> None:
+    from engine.kernels import snake
+
+    flags = ("HAS_BIAS", "HAS_RES", "STORE_X", "SNAKE", "CLAMP", "HAS_TIN", "HAS_TOUT", "HAS_VALID")
+    unit = ("HAS_BIAS", "HAS_RES", "STORE_X", "SNAKE", "HAS_TIN", "HAS_TOUT")  # a residual unit's first window
+    for on, block_c, block_t in (((), 128, 16), (flags, 128, 16), (unit, 2, 1024), (("HAS_BIAS", "CLAMP"), 1, 1024)):
+        _compile(snake._kernel(), dtype, {f: f in on for f in flags} | {"BLOCK_C": block_c, "BLOCK_T": block_t},
+                 {"valid_ptr": "*i64"})
+    from engine.kernels import codec_transformer
+
+    norm, rope = codec_transformer._kernels()
+    for add in (True, False):
+        _compile(norm, dtype, {"HAS_ADD": add, "BLOCK": 512})
+    _compile(rope, dtype, {"HD": 64, "BLOCK": 64})
+
+
 def _in_fresh_python(what: str, dtype: str) -> None:
     """Compile in a new interpreter without TRITON_INTERPRET: once the other kernel tests have run triton's
     interpreter in this process, its patched language objects break the real compiler."""
@@ -100,6 +116,12 @@ def test_linear_kernel_compiles(dtype):
     _in_fresh_python("linear", dtype)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_codec_window_kernel_compiles(dtype):
+    _in_fresh_python("codec", dtype)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parents[1]))
-    {"norm": compile_norm, "attention": compile_attention, "linear": compile_linear}[sys.argv[1]](sys.argv[2])
+    {"norm": compile_norm, "attention": compile_attention, "linear": compile_linear,
+     "codec": compile_codec}[sys.argv[1]](sys.argv[2])

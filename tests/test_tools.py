@@ -10,6 +10,7 @@ import wave
 import numpy as np
 import torch
 
+from engine.model.codec_layers import layout_choice
 from engine.model.generate import Frame, GenerationRequest, generate
 from engine.model.prompt import build_prompt, resolve_voice
 from engine.model.sampling_params import SamplingParams
@@ -63,12 +64,26 @@ def test_profile_stages_times_and_counts_every_stage(tmp_path):
     assert all(r["positions"] == r["prompt_len"] == 1 and r["cached_prefix"] == 8 for r in cached)  # auto voice
     whole = [r for r in rows if r["stage"] == "prefill" and not r.get("cached_prefix")]
     assert all(r["positions"] == r["prompt_len"] + 10 for r in whole)
+    assert {r["codec_layout"] for r in rows if r["stage"] == "codec"} == {layout_choice()}
     longer = {r["batch"]: r["kernels"] for r in rows if r["stage"] == "prefill" and r["prompt_len"] == 40}
     assert all(k > 50 for k in longer.values())  # a real forward ran (a failed row raises instead)
     for r in rows:  # the per-name breakdown: the costliest first, its counts within the call's total
         top = r["top_kernels"]
         assert top and [k["total_us"] for k in top] == sorted((k["total_us"] for k in top), reverse=True)
         assert sum(k["count"] for k in top) <= r["kernels"] and all(k["name"].startswith("aten::") for k in top)
+
+
+def test_profile_stages_measures_the_codec_in_every_layout(tmp_path):
+    """--codec-layouts: the codec stage once per activation layout, the other stages once."""
+    from engine.tools.profile_stages import main
+
+    out = tmp_path / "stages.json"
+    main(["--model", "tiny-random", "--device", "cpu", "--batches", "1", "--prompt-lens", "8", "--chunks", "2",
+          "--graphs", "emulate", "--codec-layouts", "contiguous", "channels_last", "--repeat", "1",
+          "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["codec_layout"] for r in rows if r["stage"] == "codec") == ["channels_last", "contiguous"]
+    assert sorted(r["stage"] for r in rows if r["stage"] != "codec") == ["code_predictor", "prefill", "talker"]
 
 
 def test_synthesize_caps_random_weights_by_words(tmp_path):
@@ -89,3 +104,19 @@ def test_synthesize_caps_random_weights_by_words(tmp_path):
     assert "random weights" in proc.stderr and "capped at 10 frames" in proc.stderr, proc.stderr
     with wave.open(str(out)) as w:
         assert w.getnframes() == 10 * 1920  # 2 words x 5 frames x 80 ms
+
+
+def test_gpu_check_codec_smoke_on_the_cpu(tmp_path):
+    """The codec check's CPU smoke run: every layout checked (streaming equals whole, layouts agree) and timed,
+    in one call, into one JSON."""
+    from engine.model.codec_layers import LAYOUTS
+    from engine.tools.gpu_check_codec import main
+
+    assert main([str(tmp_path), "--device", "cpu", "--size", "tiny", "--batches", "1", "--chunks", "2",
+                 "--frames", "5", "--repeat", "1"]) == 0
+    report = json.loads((tmp_path / "gpu_check_codec.json").read_text())
+    assert report["ok"] and list(report["layouts"]) == list(LAYOUTS)
+    second = report["layouts"][LAYOUTS[1]]["checks"]
+    assert second["streaming"]["fp32_ok"] and second["same_as_first_layout"]["ok"]
+    assert [(c["batch"], c["chunk"]) for c in report["compare"]] == [(1, 2)]
+    assert all(report["compare"][0][layout] > 0 for layout in LAYOUTS)

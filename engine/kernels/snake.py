@@ -1,13 +1,27 @@
-"""SnakeBeta activation of the codec decoder, y = x + inv_mag * sin(x * freq)^2 per channel, in one pass.
+"""SnakeBeta of the codec decoder, y = x + inv_mag * sin(x * freq)^2 per channel, and the one-pass kernel that
+builds a causal convolution's input window around it.
 
 `freq` = exp(alpha) and `inv_mag` = 1 / (exp(beta) + 1e-9) are prepared once at load (codec_layers.SnakeBeta);
-this module only applies them. Three implementations of the same function:
+this module only applies them.
+
+`conv_window` is what the decoder runs between two convolutions, in one pass over the activations:
+    v = y + bias[c] + res        (a convolution's output, its bias and a residual: each part optional)
+    x = round(v)                 (to the activation dtype; optionally stored: the next residual)
+    a = snake(x) or x            (optionally clamped to [-1, 1]: the decoder's output)
+    win = [tail_in, a]           (the next convolution's input: H samples of history, zeros without a tail)
+    tail_out = win[..., T:]      (the history the next step of the stream starts from; with per-row valid
+                                  lengths, win[b, :, n_b : n_b + H] for n_b = tail_valid[b] * tail_factor)
+Every tensor may have any strides, so the same kernel serves activations stored [B, C, T] (time stride 1) and
+[B, T, C] (channels last, viewed as [B, C, T] with channel stride 1). tail_in and tail_out must not overlap.
+
+Implementations of the same functions:
 - `snake_reference`: the official op order in the activation dtype (five elementwise passes); the tests' oracle;
-- `snake_torch`: four passes, one temporary, written straight into `out` (CPU and the fallback on CUDA);
-- `snake_triton`: one pass in fp32 registers, rounded once to the output dtype (CUDA, and CPU tensors under
-  TRITON_INTERPRET=1 in the tests).
-`snake` picks Triton for CUDA tensors unless it is unavailable or switched off; `kernels_status()` says which runs
-and why (the server's /ready reports it), so a slow path is never silent.
+- `snake_torch`, `conv_window_torch`: PyTorch ops (the CPU, and the fallback on CUDA);
+- `snake_triton`, `conv_window_triton`: one pass in fp32 registers, rounded once to the output dtype (CUDA, and
+  CPU tensors under TRITON_INTERPRET=1 in the tests).
+`snake` and `conv_window` pick Triton where `engine.kernels.use_triton` says the model's kernels are Triton
+(CUDA unless VOICELANE_KERNELS=torch; the CPU only when forced) and the kernel builds, unless switched off here;
+`kernels_status()` says which runs and why, so a slow path is never silent.
 
 The Triton kernel is built on first use, not at import: TRITON_INTERPRET is read when a kernel is decorated, and
 the CPU tests set it before their first call.
@@ -21,9 +35,11 @@ import logging
 import torch
 from torch import Tensor
 
+from engine import kernels
+
 log = logging.getLogger("voicelane.kernels.snake")
 
-_state: dict = {"enabled": True}  # "error" is added on the first CUDA call: None or why Triton cannot run
+_state: dict = {"enabled": True}  # "error" is added on the first call: None or why Triton cannot run
 
 
 def snake_reference(x: Tensor, freq: Tensor, inv_mag: Tensor) -> Tensor:
@@ -45,41 +61,160 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def snake_kernel(x_ptr, out_ptr, freq_ptr, inv_ptr, C, T, x_sb, x_sc, o_sb, o_sc, BLOCK: tl.constexpr):
-        row = tl.program_id(0)  # b * C + c
-        b = (row // C).to(tl.int64)
-        c = row % C
-        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        keep = t < T
-        x = tl.load(x_ptr + b * x_sb + c * x_sc + t, mask=keep, other=0.0).to(tl.float32)
-        freq = tl.load(freq_ptr + c).to(tl.float32)
-        inv = tl.load(inv_ptr + c).to(tl.float32)
-        s = tl.sin(x * freq)
-        y = x + inv * (s * s)
-        tl.store(out_ptr + b * o_sb + c * o_sc + t, y.to(out_ptr.dtype.element_ty), mask=keep)
+    def conv_window_kernel(y_ptr, bias_ptr, res_ptr, x_ptr, freq_ptr, inv_ptr, win_ptr, tin_ptr, tout_ptr,
+                           valid_ptr, factor, C, T, H,
+                           y_sb, y_sc, y_st, r_sb, r_sc, r_st, x_sb, x_sc, x_st, w_sb, w_sc, w_st,
+                           ti_sb, ti_sc, ti_st, to_sb, to_sc, to_st,
+                           HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, STORE_X: tl.constexpr,
+                           SNAKE: tl.constexpr, CLAMP: tl.constexpr, HAS_TIN: tl.constexpr,
+                           HAS_TOUT: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_C: tl.constexpr,
+                           BLOCK_T: tl.constexpr):
+        # One tile: BLOCK_C channels x BLOCK_T window positions tau (tau < H: history, tau >= H: new sample
+        # tau - H) of one batch row.
+        b = tl.program_id(2).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
+        tau = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+        in_c = c < C
+        in_win = in_c & (tau < H + T)
+        new = in_win & (tau >= H)
+        t = tau - H
+        v = tl.load(y_ptr + b * y_sb + c * y_sc + t * y_st, mask=new, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            v += tl.load(bias_ptr + c, mask=in_c, other=0.0).to(tl.float32)
+        if HAS_RES:
+            v += tl.load(res_ptr + b * r_sb + c * r_sc + t * r_st, mask=new, other=0.0).to(tl.float32)
+        v = v.to(win_ptr.dtype.element_ty).to(tl.float32)  # rounded as a stored sum would be
+        if STORE_X:
+            tl.store(x_ptr + b * x_sb + c * x_sc + t * x_st, v.to(x_ptr.dtype.element_ty), mask=new)
+        if SNAKE:
+            freq = tl.load(freq_ptr + c, mask=in_c, other=0.0).to(tl.float32)
+            inv = tl.load(inv_ptr + c, mask=in_c, other=0.0).to(tl.float32)
+            s = tl.sin(v * freq)
+            v = v + inv * (s * s)
+        if CLAMP:
+            v = tl.minimum(tl.maximum(v, -1.0), 1.0)
+        if HAS_TIN:
+            old = tl.load(tin_ptr + b * ti_sb + c * ti_sc + tau * ti_st, mask=in_win & (tau < H),
+                          other=0.0).to(tl.float32)
+            v = tl.where(tau < H, old, v)
+        else:
+            v = tl.where(tau < H, 0.0, v)
+        a = v.to(win_ptr.dtype.element_ty)
+        tl.store(win_ptr + b * w_sb + c * w_sc + tau * w_st, a, mask=in_win)
+        if HAS_TOUT:
+            if HAS_VALID:  # this row's samples end at n: its new history is win[n : n + H]
+                n = tl.load(valid_ptr + b).to(tl.int32) * factor
+                tl.store(tout_ptr + b * to_sb + c * to_sc + (tau - n) * to_st, a,
+                         mask=in_win & (tau >= n) & (tau < n + H))
+            else:
+                tl.store(tout_ptr + b * to_sb + c * to_sc + (tau - T) * to_st, a, mask=in_win & (tau >= T))
 
-    return snake_kernel
+    return conv_window_kernel
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _check_window(y: Tensor, win: Tensor, bias, res, freq, inv_mag, x_out, tail_in, tail_out, tail_valid) -> int:
+    """Shape checks shared by both paths; returns H, the window's history length."""
+    B, C, T = y.shape
+    if win.dim() != 3 or win.shape[:2] != (B, C) or win.shape[2] < T:
+        raise ValueError(f"conv_window: window {tuple(win.shape)} for input {tuple(y.shape)}")
+    H = win.shape[2] - T
+    for name, t, shape in (("res", res, (B, C, T)), ("x_out", x_out, (B, C, T)), ("tail_in", tail_in, (B, C, H)),
+                           ("tail_out", tail_out, (B, C, H)), ("bias", bias, (C,)), ("tail_valid", tail_valid, (B,))):
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"conv_window: {name} has shape {tuple(t.shape)}, expected {shape}")
+    if (freq is None) != (inv_mag is None) or (freq is not None and (freq.shape != (C,) or inv_mag.shape != (C,))):
+        raise ValueError(f"snake: freq/inv_mag must be [{C}], got {None if freq is None else tuple(freq.shape)}, "
+                         f"{None if inv_mag is None else tuple(inv_mag.shape)}")
+    return H
+
+
+def conv_window_triton(y: Tensor, win: Tensor, *, bias: Tensor | None = None, res: Tensor | None = None,
+                       freq: Tensor | None = None, inv_mag: Tensor | None = None, x_out: Tensor | None = None,
+                       tail_in: Tensor | None = None, tail_out: Tensor | None = None, clamp: bool = False,
+                       tail_valid: Tensor | None = None, tail_factor: int = 1) -> Tensor:
+    """See the module docstring: y, res, x_out [B, C, T]; win [B, C, H + T]; tail_in, tail_out [B, C, H];
+    bias, freq, inv_mag [C]; tail_valid [B] int64 (each row's valid inputs, in units of tail_factor samples;
+    None: all T). Any strides. Returns win."""
+    H = _check_window(y, win, bias, res, freq, inv_mag, x_out, tail_in, tail_out, tail_valid)
+    B, C, T = y.shape
+    if B * C * (H + T) == 0:
+        return win
+    if win.stride(1) == 1 and C > 1:  # channels last: tiles along the channels
+        block_c = min(_pow2(C), 128)
+        block_t = max(1, min(_pow2(H + T), 2048 // block_c))
+    else:
+        block_t = min(1024, max(16, _pow2(H + T)))
+        block_c = max(1, min(_pow2(C), 2048 // block_t))
+    dummy = y
+
+    def strides(t: Tensor | None) -> tuple[int, int, int]:
+        return tuple(t.stride()) if t is not None else (0, 0, 0)
+
+    freq = freq.contiguous() if freq is not None else None
+    inv_mag = inv_mag.contiguous() if inv_mag is not None else None
+    bias = bias.contiguous() if bias is not None else None
+    grid = (-(-(H + T) // block_t), -(-C // block_c), B)
+    _kernel()[grid](
+        y, dummy if bias is None else bias, dummy if res is None else res, dummy if x_out is None else x_out,
+        dummy if freq is None else freq, dummy if inv_mag is None else inv_mag, win,
+        dummy if tail_in is None else tail_in, dummy if tail_out is None else tail_out,
+        dummy if tail_valid is None else tail_valid, tail_factor, C, T, H,
+        *y.stride(), *strides(res), *strides(x_out), *win.stride(), *strides(tail_in), *strides(tail_out),
+        HAS_BIAS=bias is not None, HAS_RES=res is not None, STORE_X=x_out is not None, SNAKE=freq is not None,
+        CLAMP=clamp, HAS_TIN=tail_in is not None, HAS_TOUT=tail_out is not None, HAS_VALID=tail_valid is not None,
+        BLOCK_C=block_c, BLOCK_T=block_t)
+    return win
+
+
+def conv_window_torch(y: Tensor, win: Tensor, *, bias: Tensor | None = None, res: Tensor | None = None,
+                      freq: Tensor | None = None, inv_mag: Tensor | None = None, x_out: Tensor | None = None,
+                      tail_in: Tensor | None = None, tail_out: Tensor | None = None, clamp: bool = False,
+                      tail_valid: Tensor | None = None, tail_factor: int = 1) -> Tensor:
+    """The same as conv_window_triton in PyTorch ops."""
+    H = _check_window(y, win, bias, res, freq, inv_mag, x_out, tail_in, tail_out, tail_valid)
+    T = y.shape[2]
+    new = win[..., H:]
+    v = y
+    if bias is not None or res is not None:  # summed in fp32 and rounded once, as the kernel does
+        v = y.float()
+        if bias is not None:
+            v = v + bias.float()[None, :, None]
+        if res is not None:
+            v = v + res.float()
+        v = v.to(y.dtype)
+    if x_out is not None:
+        x_out.copy_(v)
+    if freq is not None:
+        snake_torch(v, freq, inv_mag, out=new)
+    else:
+        new.copy_(v)
+    if clamp:
+        new.clamp_(min=-1.0, max=1.0)
+    if H:
+        if tail_in is None:
+            win[..., :H].zero_()
+        else:
+            win[..., :H].copy_(tail_in)
+        if tail_out is not None and tail_valid is None:
+            tail_out.copy_(win[..., T:])
+        elif tail_out is not None:
+            index = tail_valid[:, None] * tail_factor + torch.arange(H, device=win.device)  # [B, H]
+            tail_out.copy_(win.gather(2, index[:, None, :].expand(tail_out.shape)))
+    return win
 
 
 def snake_triton(x: Tensor, freq: Tensor, inv_mag: Tensor, out: Tensor | None = None) -> Tensor:
-    """x [B, C, T] (time stride 1, any batch/channel strides); freq, inv_mag [C] contiguous; out [B, C, T] or None
-    (time stride 1; may be a view into a larger buffer, e.g. a convolution's input window)."""
-    B, C, T = x.shape
+    """x [B, C, T] (any strides); freq, inv_mag [C]; out [B, C, T] or None (any strides; may be a view into a
+    larger buffer, e.g. a convolution's input window; None: a new tensor with x's layout)."""
     if out is None:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        out = torch.empty_like(x)
     if out.shape != x.shape:
         raise ValueError(f"snake: out has shape {tuple(out.shape)}, input {tuple(x.shape)}")
-    if x.stride(2) != 1 or out.stride(2) != 1:
-        raise ValueError("snake: input and output need time stride 1")
-    if freq.shape != (C,) or inv_mag.shape != (C,):
-        raise ValueError(f"snake: freq/inv_mag must be [{C}], got {tuple(freq.shape)}, {tuple(inv_mag.shape)}")
-    if B * C == 0 or T == 0:
-        return out
-    block = min(1024, max(16, 1 << (T - 1).bit_length()))
-    grid = (B * C, -(-T // block))
-    _kernel()[grid](x, out, freq.contiguous(), inv_mag.contiguous(), C, T, x.stride(0), x.stride(1),
-                    out.stride(0), out.stride(1), BLOCK=block)
-    return out
+    return conv_window_triton(x, out, freq=freq, inv_mag=inv_mag)
 
 
 def _triton_error() -> str | None:
@@ -94,9 +229,21 @@ def _triton_error() -> str | None:
     return _state["error"]
 
 
+def use_triton(device: torch.device) -> bool:
+    """Whether the codec's elementwise kernels on `device` are the Triton ones."""
+    return _state["enabled"] and kernels.use_triton(device) and _triton_error() is None
+
+
+def conv_window(y: Tensor, win: Tensor, **parts) -> Tensor:
+    """Build a convolution's input window in one pass (see the module docstring); returns win."""
+    if use_triton(y.device):
+        return conv_window_triton(y, win, **parts)
+    return conv_window_torch(y, win, **parts)
+
+
 def snake(x: Tensor, freq: Tensor, inv_mag: Tensor, out: Tensor | None = None) -> Tensor:
     """SnakeBeta with prepared constants: x [B, C, T] -> [B, C, T] (into `out` if given)."""
-    if x.is_cuda and _state["enabled"] and _triton_error() is None:
+    if use_triton(x.device):
         return snake_triton(x, freq, inv_mag, out)
     return snake_torch(x, freq, inv_mag, out)
 
@@ -110,6 +257,8 @@ def kernels_status() -> dict:
     """What /ready should show about the codec's SnakeBeta on CUDA: {"enabled": bool, "reason": str}."""
     if not _state["enabled"]:
         return {"enabled": False, "reason": "switched off (set_triton_enabled(False)): PyTorch path"}
+    if kernels.choice() == "torch":
+        return {"enabled": False, "reason": f"{kernels.ENV}=torch: PyTorch path"}
     if not torch.cuda.is_available():
         return {"enabled": False, "reason": "no CUDA device: the PyTorch path runs on the CPU"}
     error = _triton_error()

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from engine.model.codec_layers import (
     CausalConv1d,
-    CausalConvTranspose1d,
+    CausalConvBase,
     DecoderBlock,
     Prepared,
     SlidingTransformer,
@@ -46,6 +46,8 @@ from engine.model.codec_layers import (
     SplitRVQ,
     TailIO,
     UpsampleStage,
+    layout_choice,
+    run_window,
 )
 
 
@@ -97,6 +99,7 @@ class StateLayout:
 
     kv_shape: tuple[int, ...]  # (L, 2, Hkv, W-1, hd)
     tail_shapes: tuple[tuple[int, int], ...]  # (C_i, H_i) per conv tail, in module order
+    channels_last: bool = False  # tails stored [H_i, C_i] (the activations' layout), else [C_i, H_i]
 
     @property
     def sizes(self) -> list[int]:
@@ -110,8 +113,11 @@ class StateLayout:
         """rows [B, width] -> (kv [B, L, 2, Hkv, W-1, hd], tails [[B, C_i, H_i]]): views sharing rows' storage."""
         B = rows.shape[0]
         parts = rows.split(self.sizes, dim=1)
-        return parts[0].view(B, *self.kv_shape), [p.view(B, *s) for p, s in zip(parts[1:], self.tail_shapes,
-                                                                                   strict=True)]
+        if self.channels_last:
+            tails = [p.view(B, h, c).transpose(1, 2) for p, (c, h) in zip(parts[1:], self.tail_shapes, strict=True)]
+        else:
+            tails = [p.view(B, c, h) for p, (c, h) in zip(parts[1:], self.tail_shapes, strict=True)]
+        return parts[0].view(B, *self.kv_shape), tails
 
 
 @dataclass
@@ -149,7 +155,11 @@ class CodecStreamState:
 
 
 class CodecDecoder(nn.Module):
-    def __init__(self, config: CodecConfig):
+    """layout: how activations are stored, "contiguous" or "channels_last" (codec_layers.LAYOUTS; None:
+    $VOICELANE_CODEC_LAYOUT, else codec_layers.DEFAULT_LAYOUT); `set_layout` switches it. Both give the same
+    samples; the layout decides which kernels cuDNN runs."""
+
+    def __init__(self, config: CodecConfig, layout: str | None = None):
         super().__init__()
         if config.num_semantic_quantizers != 1:
             raise ValueError("the official decoder always splits the codebooks as 1 + rest")
@@ -157,12 +167,14 @@ class CodecDecoder(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
         if config.sliding_window < 2:
             raise ValueError("sliding_window must be >= 2")
+        if config.num_hidden_layers < 1:
+            raise ValueError("the codec's transformer needs at least one layer")
         self.config = config
         c = config
         # Registration order mirrors the official module (state-dict order, randomize_codec_ draw order).
         self.pre_transformer = SlidingTransformer(c)
         self.quantizer = SplitRVQ(c.num_quantizers, c.codebook_dim // 2, c.codebook_size, c.codebook_dim)
-        self.pre_conv = CausalConv1d(c.codebook_dim, c.latent_dim, 3)
+        self.pre_conv = CausalConv1d(c.codebook_dim, c.latent_dim, 3, defer_bias=False)  # the transformer reads it
         self.upsample = nn.ModuleList([UpsampleStage(c.latent_dim, f) for f in c.upsampling_ratios])
         dims = [c.decoder_dim // 2**i for i in range(len(c.upsample_rates) + 1)]  # 1536, 768, 384, 192, 96
         self.decoder = nn.ModuleList(
@@ -173,12 +185,24 @@ class CodecDecoder(nn.Module):
         # Number the convolutions that need input history; (channels, history) per tail, in that order.
         self.tail_shapes: list[tuple[int, int]] = []
         for m in self.modules():
-            if isinstance(m, (CausalConv1d, CausalConvTranspose1d)) and m.history > 0:
+            if isinstance(m, CausalConvBase) and m.history > 0:
                 m.tail_id = len(self.tail_shapes)
                 self.tail_shapes.append((m.conv.in_channels, m.history))
-        kv_shape = (c.num_hidden_layers, 2, c.num_key_value_heads, c.sliding_window - 1, c.head_dim)
-        self.state_layout = StateLayout(kv_shape, tuple(self.tail_shapes))
         self._prepared = [m for m in self.modules() if isinstance(m, Prepared)]
+        self.set_layout(layout)
+
+    def set_layout(self, layout: str | None) -> None:
+        """Store activations "contiguous" or "channels_last" from now on (None: $VOICELANE_CODEC_LAYOUT or the
+        default). Stream states made before are refused afterwards (their tails are laid out for the old layout):
+        make new ones."""
+        self.layout = layout_choice(layout)
+        channels_last = self.layout == "channels_last"
+        for m in self.modules():
+            if isinstance(m, CausalConvBase):
+                m.channels_last = channels_last
+        c = self.config
+        kv_shape = (c.num_hidden_layers, 2, c.num_key_value_heads, c.sliding_window - 1, c.head_dim)
+        self.state_layout = StateLayout(kv_shape, tuple(self.tail_shapes), channels_last)
 
     @property
     def samples_per_frame(self) -> int:
@@ -197,23 +221,26 @@ class CodecDecoder(nn.Module):
                 m.prepare_inference()
 
     @torch.no_grad()  # inference only: the Triton kernels and the in-place state updates have no backward
-    def _run(self, codes: Tensor, io: TailIO | None, pos: Tensor | None, kv: Tensor | None) -> Tensor:
-        """codes [B, Q, t] -> wave [B, 1, t*spf]; in streaming mode kv and io's tails are updated in place."""
+    def _run(self, codes: Tensor, io: TailIO | None, pos: Tensor | None, kv: Tensor | None,
+             kv_out: Tensor | None, valid: Tensor | None = None) -> Tensor:
+        """codes [B, Q, t] -> wave [B, 1, t*spf]; in streaming mode the new window of keys and values is written to
+        kv_out and the new conv tails to io.tails_out."""
         if codes.shape[1] != self.config.num_quantizers:
             raise ValueError(f"expected {self.config.num_quantizers} codebooks, got {codes.shape[1]}")
         self._ensure_prepared()
         x = self.quantizer.decode(codes)  # [B, codebook_dim, t]
         x = self.pre_conv(x, io)  # [B, latent, t]
-        x = self.pre_transformer(x.transpose(1, 2), pos, kv)  # [B, t, latent]
+        x = self.pre_transformer(x.transpose(1, 2), pos, kv, kv_out, valid)  # [B, t, latent]
         x = x.transpose(1, 2)  # [B, latent, t]
         for stage in self.upsample:
             x = stage(x, io)  # [B, latent, t * prod(upsampling_ratios)]
         first, *blocks, act, last = self.decoder
-        x = first(x, io)
+        x = first(x, io)  # from here on a Pre: each conv's bias (and residual) is added by the next kernel
         for block in blocks:
             x = block(x, io)
         x = last(x, io, act=act)  # [B, 1, t * spf]
-        return x.clamp_(min=-1.0, max=1.0)
+        wave, _ = run_window(x, 0, channels_last=self.layout == "channels_last", clamp=True)  # + bias, clamp
+        return wave
 
     def forward(self, codes: Tensor) -> Tensor:
         """Whole-utterance exact decode: codes LongTensor [B, Q, T] (values in [0, codebook_size)) ->
@@ -221,7 +248,7 @@ class CodecDecoder(nn.Module):
         if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.config.codebook_size):
             raise ValueError(f"codes must lie in [0, {self.config.codebook_size}), got "
                              f"[{int(codes.min())}, {int(codes.max())}]")
-        return self._run(codes, None, None, None)
+        return self._run(codes, None, None, None, None)
 
     def new_stream_state(self, num_slots: int, device=None, dtype=None) -> CodecStreamState:
         """Zeroed state for `num_slots` streams (default device/dtype: those of the weights)."""
@@ -232,19 +259,30 @@ class CodecDecoder(nn.Module):
                                 flat=torch.zeros(num_slots, self.state_layout.width, dtype=dtype, device=device),
                                 layout=self.state_layout)
 
-    def decode_stream(self, codes: Tensor, state: CodecStreamState, slots: Tensor) -> Tensor:
+    def decode_stream(self, codes: Tensor, state: CodecStreamState, slots: Tensor,
+                      valid: Tensor | None = None) -> Tensor:
         """Decode t new frames for each of B streams: codes LongTensor [B, Q, t] (values in [0, codebook_size):
         not checked here, that would need a host sync), slots LongTensor [B] (distinct, on the state's device;
         rows may be at different positions). Reads and updates those slots of `state` in place and returns wave
         [B, t * samples_per_frame]. Static shapes per (B, t), no host syncs, so a call can be captured in a CUDA
-        graph per (B, t) with static codes/slots buffers. Any t >= 1 works (also t > 72)."""
+        graph per (B, t) with static codes/slots buffers. Any t >= 1 works (also t > 72).
+
+        valid: LongTensor [B] in [1, t] (on the state's device; not checked), for a batch of rows with different
+        chunk sizes padded to t: row b's first valid[b] frames are decoded and its state advances by valid[b]
+        frames, as if it had been called with those frames alone; the samples of its padding frames (from
+        valid[b] * samples_per_frame on) are garbage, to be cut off by the caller."""
+        if state.layout != self.state_layout:
+            raise ValueError(f"stream state laid out for another codec layout than {self.layout!r}: make it with "
+                             "new_stream_state after set_layout")
         t = codes.shape[-1]
         rows = state.flat.index_select(0, slots)  # [B, width]: one gather for the whole state
+        new_rows = torch.empty_like(rows)  # every element is written: the new keys/values and every new tail
         kv, tails = state.layout.views(rows)
+        kv_out, tails_out = state.layout.views(new_rows)
         pos = state.pos.index_select(0, slots)  # [B]
-        wave = self._run(codes, TailIO(tails), pos, kv)  # updates kv and tails (so rows) in place
-        state.flat.index_copy_(0, slots, rows)  # one scatter
-        state.pos.index_copy_(0, slots, pos + t)
+        wave = self._run(codes, TailIO(tails, tails_out, valid, t), pos, kv, kv_out, valid)
+        state.flat.index_copy_(0, slots, new_rows)  # one scatter
+        state.pos.index_copy_(0, slots, pos + (t if valid is None else valid))
         return wave[:, 0]
 
 

@@ -4,20 +4,44 @@ Every layer runs in two modes with the same weights:
 - whole mode (`io is None`): the input is a complete sequence starting at frame 0; causal convolutions pad on the
   left with zeros, as the official decoder does;
 - streaming mode (`io` is a `TailIO`): the input holds only new samples of each stream; every causal (transposed)
-  convolution reads the input history it needs from `io` and writes the updated history back.
+  convolution reads the input history it needs from `io` and writes the updated history to it.
+
+Between two convolutions the activations pass through one kernel (engine.kernels.snake.conv_window): it adds the
+previous convolution's bias and the residual, applies SnakeBeta and writes the next convolution's input window
+(history + new samples) and the new history. So a convolution runs without its bias and returns a `Pre` (output,
+bias, residual still to add), and the next window adds them on the way in.
+
+Layouts (`LAYOUTS`, chosen per decoder, VOICELANE_CODEC_LAYOUT): activations [B, C, T] are stored either with time
+stride 1 ("contiguous") or with channel stride 1 ("channels_last": a [B, T, C] tensor seen through a transpose).
+Convolutions run as 2-D convolutions over a [B, C, 1, T] view with weights in the same memory format, so in
+channels_last cuDNN reads and writes NHWC directly instead of transposing around every convolution.
 
 Module and parameter names mirror the official `Qwen3TTSTokenizerV2Decoder`, so its state dict loads as is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.kernels.snake import snake
+from engine.kernels.codec_transformer import rope_kv, scaled_add_rms_norm
+from engine.kernels.snake import conv_window, snake, use_triton
+
+LAYOUTS = ("contiguous", "channels_last")
+LAYOUT_ENV = "VOICELANE_CODEC_LAYOUT"
+DEFAULT_LAYOUT = "contiguous"
+
+
+def layout_choice(value: str | None = None) -> str:
+    """`value`, else $VOICELANE_CODEC_LAYOUT, else DEFAULT_LAYOUT; checked against LAYOUTS."""
+    chosen = (os.environ.get(LAYOUT_ENV, "") if value is None else value).strip().lower() or DEFAULT_LAYOUT
+    if chosen not in LAYOUTS:
+        raise ValueError(f"codec layout {chosen!r} ({LAYOUT_ENV}): choose one of {', '.join(LAYOUTS)}")
+    return chosen
 
 
 def fingerprint(tensors) -> tuple:
@@ -28,92 +52,169 @@ def fingerprint(tensors) -> tuple:
 
 class Prepared(nn.Module):
     """A module with inference constants derived from its parameters, made by `prepare_inference()` (once at load)
-    and remade if those parameters change afterwards (loading weights, `.to(dtype)`): `is_prepared()` compares a
-    fingerprint of the sources, so stale constants are never used. Subclasses list `prepared_from()`."""
+    and remade if those parameters change afterwards (loading weights, `.to(dtype)`) or the module's
+    `prepared_token()` (a setting the constants depend on) changes: `is_prepared()` compares a fingerprint of the
+    sources, so stale constants are never used. Subclasses list `prepared_from()`."""
 
     _prepared_key: tuple | None = None
 
     def prepared_from(self) -> list[Tensor]:
         raise NotImplementedError
 
+    def prepared_token(self) -> object:
+        return None
+
     def _prepare(self) -> None:
         raise NotImplementedError
+
+    def _key(self) -> tuple:
+        return fingerprint(self.prepared_from()), self.prepared_token()
 
     @torch.no_grad()
     def prepare_inference(self) -> None:
         self._prepare()
-        self._prepared_key = fingerprint(self.prepared_from())
+        self._prepared_key = self._key()
 
     def is_prepared(self) -> bool:
-        return self._prepared_key == fingerprint(self.prepared_from())
+        return self._prepared_key == self._key()
 
 
 class TailIO:
-    """Per-call carrier of convolution histories: `tails[i]` ([B, C_i, H_i], a view into the gathered stream state)
-    holds the history of conv `i` on entry; the conv overwrites it with its updated history (the last H_i samples
-    of [history, new input]) after reading it."""
+    """Per-call carrier of convolution histories: `tails_in[i]` ([B, C_i, H_i], a view into the gathered stream
+    state) holds the history of conv `i` on entry; the conv writes its updated history (the last H_i samples of
+    [history, new input]) to `tails_out[i]` (another buffer: the two must not overlap).
 
-    def __init__(self, tails: list[Tensor]):
-        self.tails = tails
+    valid [B] int64 (or None: every frame): how many of the call's `frames` frames are real in each row; the rest
+    is padding, and each new history ends at the row's last real sample (causal layers never let the padding
+    reach a real output)."""
 
-
-def _window(x: Tensor, history: int, io: TailIO | None, tail_id: int, act: Callable | None) -> Tensor:
-    """x [B, C, T] -> [B, C, history + T]: the `history` input samples before x (zeros in whole mode, the stream's
-    tail otherwise), then act(x) written in place (no `cat`, no separate activation output). In streaming mode the
-    last `history` samples become the new tail."""
-    B, C, T = x.shape
-    win = x.new_empty(B, C, history + T)
-    if io is None:
-        win[..., :history].zero_()
-    else:
-        win[..., :history].copy_(io.tails[tail_id])
-    if act is None:
-        win[..., history:].copy_(x)
-    else:
-        act(x, out=win[..., history:])
-    if io is not None:
-        io.tails[tail_id].copy_(win[..., T:])
-    return win
+    def __init__(self, tails_in: list[Tensor], tails_out: list[Tensor], valid: Tensor | None = None,
+                 frames: int = 1):
+        self.tails_in, self.tails_out = tails_in, tails_out
+        self.valid, self.frames = valid, frames
 
 
-class CausalConv1d(nn.Module):
+class Pre(NamedTuple):
+    """y + bias[c] + res, not added yet: a convolution's output whose bias (and a residual) the next kernel adds."""
+
+    y: Tensor  # [B, C, T]
+    bias: Tensor | None = None  # [C]
+    res: Tensor | None = None  # [B, C, T]
+
+
+def new_activation(like: Tensor, B: int, C: int, T: int, channels_last: bool) -> Tensor:
+    """Uninitialised [B, C, T] in like's dtype and device: time stride 1, or channel stride 1 (channels_last)."""
+    if channels_last:
+        return like.new_empty(B, T, C).transpose(1, 2)
+    return like.new_empty(B, C, T)
+
+
+def run_window(x: Tensor | Pre, history: int, act: SnakeBeta | None = None, *, io: TailIO | None = None,
+               tail_id: int = -1, channels_last: bool = False, keep_input: bool = False,
+               clamp: bool = False) -> tuple[Tensor, Tensor | None]:
+    """x [B, C, T] (or a Pre, summed here) -> (window [B, C, history + T], x summed or None): the `history` samples
+    before x (zeros in whole mode, the stream's tail otherwise), then act(x) (clamped to [-1, 1] if asked), in one
+    kernel. In streaming mode the window's last `history` samples are written to io.tails_out[tail_id].
+    keep_input: also return x itself (stored by the same kernel when it is a Pre), e.g. as a residual."""
+    y, bias, res = x if isinstance(x, Pre) else (x, None, None)
+    summed = bias is None and res is None
+    if history == 0 and act is None and summed and not clamp:
+        return y, (y if keep_input else None)  # nothing to add or apply: the convolution reads x as it is
+    B, C, T = y.shape
+    win = new_activation(y, B, C, history + T, channels_last)
+    kept = None
+    if keep_input:
+        kept = y if summed else new_activation(y, B, C, T, channels_last)
+    stream = io is not None and history > 0
+    per_row = {}
+    if stream and io.valid is not None:  # T = frames * samples per frame here
+        per_row = {"tail_valid": io.valid, "tail_factor": T // io.frames}
+    conv_window(y, win, bias=bias, res=res, freq=None if act is None else act.freq,
+                inv_mag=None if act is None else act.inv_mag, x_out=None if kept is y else kept,
+                tail_in=io.tails_in[tail_id] if stream else None, tail_out=io.tails_out[tail_id] if stream else None,
+                clamp=clamp, **per_row)
+    return win, kept
+
+
+class CausalConvBase(Prepared):
+    """A causal (transposed) convolution: its input window, its layout and its weights as 4-D [.., .., 1, k].
+
+    `defer_bias`: return Pre(output, bias) and let the next window add the bias (True), or add it in the
+    convolution (False, for outputs that PyTorch ops read next)."""
+
+    def __init__(self, conv: nn.Module, history: int, defer_bias: bool):
+        super().__init__()
+        self.conv = conv
+        self.history = history  # input samples of left context
+        self.tail_id = -1  # index into the stream state's tails; set by the decoder when history > 0
+        self.defer_bias = defer_bias
+        self.channels_last = False  # set by the decoder's layout
+        self.weight4: Tensor | None = None  # [.., .., 1, k] in the layout's memory format
+        self.prepared_bias: Tensor | None = None  # the conv's bias, detached (Pre carries it: no autograd leaf)
+
+    def prepared_from(self) -> list[Tensor]:
+        return [p for p in (self.conv.weight, self.conv.bias) if p is not None]
+
+    def prepared_token(self) -> object:
+        return self.channels_last
+
+    def _prepare(self) -> None:
+        w = self.conv.weight.detach().unsqueeze(2)
+        self.weight4 = w.contiguous(memory_format=torch.channels_last) if self.channels_last else w
+        self.prepared_bias = None if self.conv.bias is None else self.conv.bias.detach()
+
+    def _conv4d(self, x4: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor | Pre, io: TailIO | None = None, act: SnakeBeta | None = None,
+                keep_input: bool = False):
+        """conv(act(x)): x [B, C, T] (or a Pre) -> out [B, C', T'] (a Pre when defer_bias); with keep_input,
+        (out, x summed)."""
+        if self.weight4 is None:
+            self.prepare_inference()  # the decoder keeps it fresh (CodecDecoder._ensure_prepared)
+        win, kept = run_window(x, self.history, act, io=io, tail_id=self.tail_id, channels_last=self.channels_last,
+                               keep_input=keep_input)
+        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
+        x4 = win.unsqueeze(2)
+        if not x4.is_contiguous(memory_format=memory_format):
+            x4 = x4.contiguous(memory_format=memory_format)
+        bias = self.prepared_bias
+        defer = self.defer_bias and bias is not None
+        y = self._conv4d(x4, self.weight4, None if defer else bias).squeeze(2)
+        out = Pre(y, bias) if defer else y
+        return (out, kept) if keep_input else out
+
+
+class CausalConv1d(CausalConvBase):
     """Stride-1 conv that sees only the present and the past: (k-1)*dilation samples of left context."""
 
-    def __init__(self, cin: int, cout: int, kernel_size: int, dilation: int = 1, groups: int = 1):
-        super().__init__()
-        self.conv = nn.Conv1d(cin, cout, kernel_size, dilation=dilation, groups=groups)
-        self.history = (kernel_size - 1) * dilation  # input samples of left context
-        self.tail_id = -1  # index into the stream state's tails; set by the decoder when history > 0
+    def __init__(self, cin: int, cout: int, kernel_size: int, dilation: int = 1, groups: int = 1,
+                 defer_bias: bool = True):
+        super().__init__(nn.Conv1d(cin, cout, kernel_size, dilation=dilation, groups=groups),
+                         (kernel_size - 1) * dilation, defer_bias)
 
-    def forward(self, x: Tensor, io: TailIO | None = None, act: Callable | None = None) -> Tensor:
-        """conv(act(x)) (act: an elementwise module taking `out=`, applied on the way into the window):
-        x [B, C, T] -> [B, C', T]."""
-        if self.history == 0:
-            return self.conv(x if act is None else act(x))
-        return self.conv(_window(x, self.history, io, self.tail_id, act))
+    def _conv4d(self, x4: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return F.conv2d(x4, weight, bias, dilation=(1, self.conv.dilation[0]), groups=self.conv.groups)
 
 
-class CausalConvTranspose1d(nn.Module):
-    """Transposed conv (kernel k >= stride s) with the k - s trailing samples dropped, so T inputs give T*s
-    outputs and output j depends on inputs <= j // s. Streaming keeps ceil(k/s) - 1 past input samples."""
+class CausalConvTranspose1d(CausalConvBase):
+    """Transposed conv (kernel k >= stride s) with the causal cut: T inputs give T*s outputs and output j depends on
+    inputs <= j // s. It reads h = ceil(k/s) - 1 past inputs (zeros in whole mode), and its padding drops exactly
+    the h*s outputs of those past frames at the start and the k - s trailing ones at the end (output_padding
+    s*ceil(k/s) - k, always < s), so the output is a whole new tensor, not an offset slice of a longer one."""
 
-    def __init__(self, cin: int, cout: int, kernel_size: int, stride: int):
-        super().__init__()
+    def __init__(self, cin: int, cout: int, kernel_size: int, stride: int, defer_bias: bool = True):
         if kernel_size < stride:
             raise ValueError("kernel_size must be >= stride")
-        self.conv = nn.ConvTranspose1d(cin, cout, kernel_size, stride=stride)
+        history = -(-kernel_size // stride) - 1  # past inputs that still reach the new outputs
+        super().__init__(nn.ConvTranspose1d(cin, cout, kernel_size, stride=stride), history, defer_bias)
         self.stride = stride
-        self.history = -(-kernel_size // stride) - 1  # past inputs that still reach the new outputs
-        self.tail_id = -1
+        self.padding = history * stride
+        self.output_padding = stride * (history + 1) - kernel_size
 
-    def forward(self, x: Tensor, io: TailIO | None = None, act: Callable | None = None) -> Tensor:
-        """conv(act(x)) with the causal cut: x [B, C, T] -> [B, C', T*s]."""
-        n_out = x.shape[-1] * self.stride
-        if io is None or self.history == 0:
-            return self.conv(x if act is None else act(x))[..., :n_out]
-        h = self.history
-        y = self.conv(_window(x, h, io, self.tail_id, act))  # [B, C', (h+T-1)*s + k]; the first h*s: past frames
-        return y[..., h * self.stride: h * self.stride + n_out]
+    def _conv4d(self, x4: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return F.conv_transpose2d(x4, weight, bias, stride=(1, self.stride), padding=(0, self.padding),
+                                  output_padding=(0, self.output_padding))
 
 
 class SnakeBeta(Prepared):
@@ -139,6 +240,11 @@ class SnakeBeta(Prepared):
         return snake(x, self.freq, self.inv_mag, out)
 
 
+def _plus(out: Tensor | Pre, res: Tensor) -> Pre:
+    """out + res, still to add (the next window adds it)."""
+    return Pre(out.y, out.bias, res) if isinstance(out, Pre) else Pre(out, None, res)
+
+
 class ResidualUnit(nn.Module):
     def __init__(self, dim: int, dilation: int):
         super().__init__()
@@ -147,10 +253,9 @@ class ResidualUnit(nn.Module):
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv1d(dim, dim, 1)
 
-    def forward(self, x: Tensor, io: TailIO | None = None) -> Tensor:  # [B, C, T]
-        y = self.conv1(x, io, act=self.act1)
-        y = self.conv2(y, io, act=self.act2)
-        return y.add_(x)
+    def forward(self, x: Tensor | Pre, io: TailIO | None = None) -> Pre:  # [B, C, T]: x + conv2(conv1(x))
+        y, x = self.conv1(x, io, act=self.act1, keep_input=True)
+        return _plus(self.conv2(y, io, act=self.act2), x)
 
 
 class DecoderBlock(nn.Module):
@@ -163,7 +268,7 @@ class DecoderBlock(nn.Module):
             + [ResidualUnit(out_dim, d) for d in (1, 3, 9)]
         )
 
-    def forward(self, x: Tensor, io: TailIO | None = None) -> Tensor:  # [B, C, T] -> [B, C/2, T*rate]
+    def forward(self, x: Tensor | Pre, io: TailIO | None = None) -> Tensor | Pre:  # [B, C, T] -> [B, C/2, T*rate]
         act, up, *units = self.block
         x = up(x, io, act=act)
         for unit in units:
@@ -174,16 +279,17 @@ class DecoderBlock(nn.Module):
 class ConvNeXtBlock(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
-        self.dwconv = CausalConv1d(dim, dim, 7, groups=dim)
+        self.dwconv = CausalConv1d(dim, dim, 7, groups=dim, defer_bias=False)  # LayerNorm reads its output
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.pwconv1 = nn.Linear(dim, 4 * dim)
         self.pwconv2 = nn.Linear(4 * dim, dim)
         self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
 
-    def forward(self, x: Tensor, io: TailIO | None = None) -> Tensor:  # [B, C, T]
-        y = self.dwconv(x, io).transpose(1, 2)  # [B, T, C]
-        y = self.pwconv2(F.gelu(self.pwconv1(self.norm(y))))
-        return torch.addcmul(x, self.gamma[:, None], y.transpose(1, 2))
+    def forward(self, x: Tensor | Pre, io: TailIO | None = None) -> Tensor:  # [B, C, T]
+        y, x = self.dwconv(x, io, keep_input=True)
+        y = self.pwconv2(F.gelu(self.pwconv1(self.norm(y.transpose(1, 2)))))  # [B, T, C]
+        out = new_activation(x, *x.shape, self.dwconv.channels_last)
+        return torch.addcmul(x, self.gamma[:, None], y.transpose(1, 2), out=out)
 
 
 class UpsampleStage(nn.ModuleList):
@@ -296,7 +402,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:  # [..., D]; normalize in fp32, cast back, then scale
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return scaled_add_rms_norm(x, None, None, self.weight, self.eps)[1]
 
 
 class LayerScale(nn.Module):
@@ -307,9 +413,6 @@ class LayerScale(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.scale * x
 
-    def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
-        """residual + scale * x in one pass."""
-        return torch.addcmul(residual, self.scale, x)
 
 
 def _rotate_half_rows(w: Tensor, heads: int) -> Tensor:
@@ -346,28 +449,17 @@ class Attention(Prepared):
         self.qkv_weight = stack(lambda m: m.weight.detach())
         self.qkv_bias = stack(lambda m: m.bias.detach()) if self.q_proj.bias is not None else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-                past: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, kv: Tensor, past: int) -> Tensor:
         """x [B, t, D]; cos/sin [B|1, t, hd] (activation dtype); mask [B|1, 1, t, P+t] bool (True = attend);
-        past [B, 2, Hkv, P, hd] post-RoPE keys and values of the P frames before x. Returns (out [B, t, D],
-        (k, v) [B, Hkv, P+t, hd] each, or None when past is None)."""
+        kv [B, 2, Hkv, P+t, hd]: the post-RoPE keys and values of the P = `past` frames before x on entry; x's are
+        written after them (one kernel with RoPE, no cat). Returns out [B, t, D]."""
         B, t, _ = x.shape
         H, Hkv, hd = self.heads, self.kv_heads, self.head_dim
-        n_qk = (H + Hkv) * hd
-        proj = F.linear(x, self.qkv_weight, self.qkv_bias)  # [B, t, 2 * n_qk + Hkv * hd]
-        qk = proj[..., :n_qk].view(B, t, H + Hkv, hd)
-        qk_rot = proj[..., n_qk: 2 * n_qk].view(B, t, H + Hkv, hd)
-        qk = torch.addcmul(qk * cos[:, :, None], qk_rot, sin[:, :, None])  # RoPE: q*cos + rotate_half(q)*sin
-        q = qk[:, :, :H].transpose(1, 2)  # [B, H, t, hd]
-        k = qk[:, :, H:].transpose(1, 2)  # [B, Hkv, t, hd]
-        v = proj[..., 2 * n_qk:].view(B, t, Hkv, hd).transpose(1, 2)
-        kv = None
-        if past is not None:
-            k = torch.cat([past[:, 0], k], dim=2)  # [B, Hkv, P+t, hd]
-            v = torch.cat([past[:, 1], v], dim=2)
-            kv = (k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=H != Hkv)
-        return self.o_proj(out.transpose(1, 2).reshape(B, t, H * hd)), kv
+        proj = F.linear(x, self.qkv_weight, self.qkv_bias)  # [B, t, 2 * (H + Hkv) * hd + Hkv * hd]
+        q = rope_kv(proj, cos, sin, kv, past, H, Hkv, hd)  # [B, H, t, hd]
+        out = F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=mask, scale=self.scaling,
+                                             enable_gqa=H != Hkv)
+        return self.o_proj(out.transpose(1, 2).reshape(B, t, H * hd))
 
 
 class MLP(Prepared):
@@ -385,7 +477,12 @@ class MLP(Prepared):
         self.gate_up_weight = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        gate_up = F.linear(x, self.gate_up_weight)
+        if use_triton(x.device):
+            from engine.kernels.norm import swiglu  # one kernel, silu rounded before the multiply as below
+
+            return self.down_proj(swiglu(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
@@ -400,11 +497,7 @@ class TransformerLayer(nn.Module):
         self.self_attn_layer_scale = LayerScale(hidden, ls_init)
         self.mlp_layer_scale = LayerScale(hidden, ls_init)
 
-    def forward(self, x, cos, sin, mask, past=None):  # x [B, t, D]; see Attention.forward
-        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
-        x = self.self_attn_layer_scale.add_to(x, a)
-        x = self.mlp_layer_scale.add_to(x, self.mlp(self.post_attention_layernorm(x)))
-        return x, kv
+    # No forward: SlidingTransformer runs the layers, each LayerScale residual add fused with the RMSNorm after it.
 
 
 class RopeFreqs(nn.Module):
@@ -449,6 +542,16 @@ class SlidingTransformer(nn.Module):
         self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
         self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
         self._window_masks: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
+        self._mask_values: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+
+    def _additive(self, mask: Tensor, dtype: torch.dtype) -> Tensor:
+        """bool mask -> 0 / -inf in dtype, once per step (SDPA would convert a bool mask in every layer: two
+        kernels each; the values are the same)."""
+        key = (dtype, mask.device)
+        if key not in self._mask_values:
+            self._mask_values[key] = (torch.zeros((), dtype=dtype, device=mask.device),
+                                      torch.full((), float("-inf"), dtype=dtype, device=mask.device))
+        return torch.where(mask, *self._mask_values[key])
 
     def _stream_mask(self, pos: Tensor, t: int) -> Tensor:
         """[B, 1, t, W-1+t] bool for queries at pos .. pos+t-1 over keys at pos-W+1 .. pos+t-1. The window part
@@ -462,11 +565,15 @@ class SlidingTransformer(nn.Module):
         window, rel = self._window_masks[key]
         return (window & (pos[:, None, None] + rel >= 0))[:, None]
 
-    def forward(self, x: Tensor, pos: Tensor | None = None, kv: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, pos: Tensor | None = None, kv: Tensor | None = None,
+                kv_out: Tensor | None = None, valid: Tensor | None = None) -> Tensor:
         """x [B, t, latent] -> y [B, t, latent]. Whole mode: pos and kv None, frames are at positions 0..t-1.
         Streaming: pos [B] int64 = position of x's first frame per row; kv [B, L, 2, Hkv, W-1, hd] holds the keys
-        and values of positions pos-W+1 .. pos-1 (entries at negative positions are masked out) and is updated in
-        place to those of pos+t-W+1 .. pos+t-1."""
+        and values of positions pos-W+1 .. pos-1 (entries at negative positions are masked out); those of
+        pos+n-W+1 .. pos+n-1 are written to kv_out (same shape; default: kv itself, in place), n = t, or valid[b]
+        ([B] int64, 1 <= n <= t) for rows whose frames past n are padding."""
+        if kv_out is None:
+            kv_out = kv
         t = x.shape[1]
         if pos is None:
             qpos = torch.arange(t, device=x.device)[None]  # [1, t]
@@ -476,11 +583,29 @@ class SlidingTransformer(nn.Module):
             qpos = pos[:, None] + torch.arange(t, device=x.device)  # [B, t]
             mask = self._stream_mask(pos, t)
         h = self.input_proj(x)  # [B, t, D]
+        mask = self._additive(mask, h.dtype)
         cos, sin = self.rotary_emb(qpos, h.dtype)
-        keep = self.window - 1
+        past = 0 if kv is None else self.window - 1
+        first = self.layers[0]
+        # Keys and values of every layer, [L, 2, B, Hkv, past + t, hd] (so each layer's keys and values are dense
+        # tensors for SDPA): the past frames (copied in once), then each layer's new ones (written by RoPE).
+        kv_all = h.new_empty(len(self.layers), 2, h.shape[0], first.self_attn.kv_heads, past + t,
+                             first.self_attn.head_dim)
+        as_rows = (2, 0, 1, 3, 4, 5)  # kv_all.permute(as_rows): [B, L, 2, Hkv, past + t, hd], the state's order
+        if kv is not None:
+            kv_all.permute(as_rows)[..., :past, :].copy_(kv)
+        norms = [m for layer in self.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+        scales = [m.scale for layer in self.layers for m in (layer.self_attn_layer_scale, layer.mlp_layer_scale)]
+        res, normed = scaled_add_rms_norm(h, None, None, norms[0].weight, norms[0].eps)
         for i, layer in enumerate(self.layers):
-            h, new_kv = layer(h, cos, sin, mask, None if kv is None else kv[:, i])
-            if kv is not None:
-                for j, full in enumerate(new_kv):  # [B, Hkv, W-1+t, hd]: keep the last W-1
-                    kv[:, i, j].copy_(full[:, :, full.shape[2] - keep:])
-        return self.output_proj(self.norm(h))
+            a = layer.self_attn(normed, cos, sin, mask, kv_all[i].transpose(0, 1), past)
+            res, normed = scaled_add_rms_norm(res, scales[2 * i], a, norms[2 * i + 1].weight, norms[2 * i + 1].eps)
+            after = norms[2 * i + 2] if 2 * i + 2 < len(norms) else self.norm
+            res, normed = scaled_add_rms_norm(res, scales[2 * i + 1], layer.mlp(normed), after.weight, after.eps)
+        if kv is not None and valid is None:
+            kv_out.copy_(kv_all.permute(as_rows)[..., t:, :])  # keep the last W-1 frames
+        elif kv is not None:  # the W-1 frames before each row's end
+            index = valid.view(1, 1, -1, 1, 1, 1) + torch.arange(past, device=valid.device).view(1, 1, 1, 1, -1, 1)
+            kept = kv_all.gather(4, index.expand(*kv_all.shape[:4], past, kv_all.shape[5]))
+            kv_out.copy_(kept.permute(as_rows))
+        return self.output_proj(normed)

@@ -3,12 +3,16 @@ without CUDA graphs, and break one call down by device kernel (or, on a CPU, by 
 mean time, the 15 costliest names per stage, printed and saved in the JSON ("top_kernels").
 
     python -m engine.tools.profile_stages --model random:1.7b --device cuda --batches 1 8 32 \
-        --prompt-lens 16 64 --cached-lens 1 4 16 --chunks 1 4 12 --out stages.json
+        --prompt-lens 16 64 --cached-lens 1 4 16 --chunks 1 4 12 --out stages.json \
+        [--codec-layouts contiguous channels_last]
 
 A prefill row gives `prompt_len` (text tokens of a whole-layout prompt; with `cached_prefix`, the positions run
 after it) and `positions` (what the prefill ran). --prompt-lens rows run with the prompt-prefix cache off (the
 whole prompt); --cached-lens rows after their prefix was cached by the warm-up call (1: a dual-layout prompt, the
 common case; n >= 3: a whole-layout prompt of n - 2 text tokens).
+
+With several --codec-layouts, the codec stage is measured once per activation layout (its rows carry
+"codec_layout"); the other stages do not depend on it and are measured with the first one only.
 
 Each number is the median wall time of launch + collect (the runner's own entry points, so index uploads and
 result copies count) over --repeat calls after one warm-up call. This is where a step's milliseconds go; the
@@ -28,6 +32,7 @@ import torch
 
 from engine.config import EngineConfig, SchedulerConfig
 from engine.graphs import GraphCaptureError
+from engine.model.codec_layers import LAYOUTS
 from engine.model.prompt import build_prompt, resolve_voice
 from engine.model.sampling_params import SamplingParams
 from engine.model_source import load_model as load
@@ -138,10 +143,15 @@ class StageProfiler:
         self._run(Stage.CODEC, [RowPlan(i, i, i, 0, chunk=chunk) for i in range(batch)])
 
 
+STAGES = frozenset({"prefill", "talker", "code_predictor", "codec"})
+
+
 def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chunks: list[int],
-            repeat: int, cached_lens: list[int] = ()) -> list[dict]:
+            repeat: int, cached_lens: list[int] = (), stages: frozenset[str] = STAGES) -> list[dict]:
+    """Rows for each of `stages`, with the codec in loaded.codec's layout."""
     p = StageProfiler(loaded, graphs, max(batches), max([*prompt_lens, *cached_lens]))
     rows = []
+    layout = loaded.codec.layout
 
     def measure(stage: str, batch: int, fn, **extra) -> None:
         p.check_syncs = False
@@ -149,23 +159,29 @@ def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chu
         p.check_syncs = True
         ms = _time(fn, repeat)
         breakdown = kernel_breakdown(fn, loaded.device)
+        if stage == "codec":
+            extra["codec_layout"] = layout
         rows.append({"stage": stage, "batch": batch, **extra, "graphs": graphs, "ms": round(ms, 3),
                      "kernels": breakdown["count"], "kernel_us": breakdown["total_us"],
                      "top_kernels": breakdown["top"]})
 
     for b in batches:
-        for n in prompt_lens:
-            measure("prefill", b, lambda b=b, n=n: p.prefill(b, n), prompt_len=n,
-                    positions=len(p.prefill_prompt(n, False)))
-        for n in cached_lens:  # measure's first call misses and keeps the prefix: the timed calls hit it
-            prompt = p.prefill_prompt(n, True)
-            measure("prefill", b, lambda b=b, n=n: p.prefill(b, n, cached=True), prompt_len=n,
-                    positions=len(prompt) - prompt.prefix_len, cached_prefix=prompt.prefix_len)
+        if "prefill" in stages:
+            for n in prompt_lens:
+                measure("prefill", b, lambda b=b, n=n: p.prefill(b, n), prompt_len=n,
+                        positions=len(p.prefill_prompt(n, False)))
+            for n in cached_lens:  # measure's first call misses and keeps the prefix: the timed calls hit it
+                prompt = p.prefill_prompt(n, True)
+                measure("prefill", b, lambda b=b, n=n: p.prefill(b, n, cached=True), prompt_len=n,
+                        positions=len(prompt) - prompt.prefix_len, cached_prefix=prompt.prefix_len)
         p.prefill(b, prompt_lens[0])  # fresh slots for the decode stages
-        measure("talker", b, lambda b=b: p.talker(b))
-        measure("code_predictor", b, lambda b=b: p.code_predictor(b))
-        for c in chunks:
-            measure("codec", b, lambda b=b, c=c: p.codec(b, c), chunk=c)
+        if "talker" in stages:
+            measure("talker", b, lambda b=b: p.talker(b))
+        if "code_predictor" in stages:
+            measure("code_predictor", b, lambda b=b: p.code_predictor(b))
+        if "codec" in stages:
+            for c in chunks:
+                measure("codec", b, lambda b=b, c=c: p.codec(b, c), chunk=c)
     return rows
 
 
@@ -180,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="prefill rows after a cached prompt prefix, by positions run (1: the dual layout)")
     ap.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 12])
     ap.add_argument("--graphs", nargs="+", default=None, help="on, off, emulate (default: on and off on CUDA)")
+    ap.add_argument("--stages", nargs="+", choices=sorted(STAGES), default=sorted(STAGES))
+    ap.add_argument("--codec-layouts", nargs="+", choices=LAYOUTS, default=None,
+                    help="codec activation layouts to measure (default: the loaded codec's, VOICELANE_CODEC_LAYOUT)")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -189,24 +208,31 @@ def main(argv: list[str] | None = None) -> None:
     modes = a.graphs or (["on", "off"] if device.type == "cuda" else ["off"])
     rows = []
     failures = {}
+    layouts = a.codec_layouts or [loaded.codec.layout]
     with torch.inference_mode():
         for mode in modes:
-            try:
-                rows += profile(loaded, mode, a.batches, a.prompt_lens, a.chunks, a.repeat, a.cached_lens)
-            except GraphCaptureError as exc:
-                failures[mode] = str(exc)
-                print(f"graphs {mode}: capture FAILED, not measured: {exc}")
+            for i, layout in enumerate(layouts):
+                loaded.codec.set_layout(layout)
+                loaded.codec.prepare_inference()
+                try:
+                    stages = frozenset(a.stages) if i == 0 else frozenset(a.stages) & {"codec"}
+                    rows += profile(loaded, mode, a.batches, a.prompt_lens, a.chunks, a.repeat,
+                                    a.cached_lens if i == 0 else [], stages)
+                except GraphCaptureError as exc:
+                    failures[f"{mode}/{layout}"] = str(exc)
+                    print(f"graphs {mode}, codec layout {layout}: capture FAILED, not measured: {exc}")
+
     def extra(r: dict) -> str:  # prefill: text tokens, or "+n" positions after a cached prefix; codec: chunk
         if r.get("cached_prefix"):
             return f"+{r['prompt_len']}"
-        return str(r.get("prompt_len", r.get("chunk", "")))
+        return str(r.get("prompt_len", "")) if "chunk" not in r else f"{r['chunk']} {r['codec_layout'][:8]}"
 
     for r in rows:
         print(format_breakdown(f"\n{r['stage']} B{r['batch']} {extra(r)} graphs {r['graphs']}",
                                {"count": r["kernels"], "total_us": r["kernel_us"], "top": r["top_kernels"]}))
-    print(f"\n{'stage':<15} {'batch':>5} {'extra':>8} {'graphs':>7} {'ms':>9} {'kernels':>8} {'kernel ms':>10}")
+    print(f"\n{'stage':<15} {'batch':>5} {'extra':>10} {'graphs':>7} {'ms':>9} {'kernels':>8} {'kernel ms':>10}")
     for r in rows:
-        print(f"{r['stage']:<15} {r['batch']:>5} {extra(r):>8} {r['graphs']:>7} {r['ms']:>9.3f} {r['kernels']:>8} "
+        print(f"{r['stage']:<15} {r['batch']:>5} {extra(r):>10} {r['graphs']:>7} {r['ms']:>9.3f} {r['kernels']:>8} "
               f"{r['kernel_us'] / 1e3:>10.3f}")
     if a.out:
         with open(a.out, "w") as f:
