@@ -24,9 +24,11 @@ if [ -n "${TUNE:-}" ]; then
 fi
 # The profile first: if a check hangs until its limit, the stage times still come back.
 LIMIT=${PROFILE_S:-200} step profile python3 -m engine.tools.profile_stages --model random:1.7b \
-  --batches ${BATCHES:-1 8 32 64} --prompt-lens 16 64 --chunks ${CHUNKS:-1 4 12} --graphs on --out "$OUT/stages.json"
+  --batches ${BATCHES:-1 8 32 64} --prompt-lens 16 64 --chunks ${CHUNKS:-1 4 12} --graphs on \
+  ${PROFILE_ARGS:-} --out "$OUT/stages.json"
 LIMIT=${KERNELS_S:-160} step gpu_check_kernels python3 -m engine.tools.gpu_check_kernels "$OUT/kernels"
-[ -z "${SKIP_CODEC:-}" ] && LIMIT=${CODEC_S:-110} step gpu_check_codec python3 -m engine.tools.gpu_check_codec "$OUT/codec"
+[ -z "${SKIP_CODEC:-}" ] && LIMIT=${CODEC_S:-110} step gpu_check_codec python3 -m engine.tools.gpu_check_codec \
+  ${CODEC_ARGS:-} "$OUT/codec"
 [ -z "${SKIP_SAMPLER:-}" ] && LIMIT=${SAMPLER_S:-80} step gpu_check_sampler python3 -m engine.tools.gpu_check_sampler \
   "$OUT/sampler"
 [ -n "${ENGINE_TESTS:-}" ] && LIMIT=200 step engine_tests env VOICELANE_TEST_DEVICE=cuda python3 -m pytest -q -x tests/test_engine.py

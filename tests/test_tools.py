@@ -80,7 +80,7 @@ def test_profile_stages_measures_the_codec_in_every_layout(tmp_path):
     out = tmp_path / "stages.json"
     main(["--model", "tiny-random", "--device", "cpu", "--batches", "1", "--prompt-lens", "8", "--chunks", "2",
           "--graphs", "emulate", "--codec-layouts", "contiguous", "channels_last", "--repeat", "1",
-          "--out", str(out)])
+          "--cached-lens", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert sorted(r["codec_layout"] for r in rows if r["stage"] == "codec") == ["channels_last", "contiguous"]
     assert sorted(r["stage"] for r in rows if r["stage"] != "codec") == ["code_predictor", "prefill", "talker"]
