@@ -23,12 +23,16 @@ if [ -n "${TUNE:-}" ]; then
   export VOICELANE_LINEAR_TABLE=$OUT/linear/linear_table.json
 fi
 # The profile first: if a check hangs until its limit, the stage times still come back.
+# The language-model stages and the codec are two runs, so one slow half cannot take the other's numbers with it.
 LIMIT=${PROFILE_S:-200} step profile python3 -m engine.tools.profile_stages --model random:1.7b \
-  --batches ${BATCHES:-1 8 32 64} --prompt-lens 16 64 --chunks ${CHUNKS:-1 4 12} --graphs on \
+  --batches ${BATCHES:-1 8 32 64} --prompt-lens 16 64 --graphs on --stages prefill talker code_predictor \
   ${PROFILE_ARGS:-} --out "$OUT/stages.json"
-LIMIT=${KERNELS_S:-160} step gpu_check_kernels python3 -m engine.tools.gpu_check_kernels "$OUT/kernels"
+LIMIT=${PROFILE_CODEC_S:-200} step profile_codec python3 -m engine.tools.profile_stages --model random:1.7b \
+  --batches ${BATCHES:-1 8 32 64} --chunks ${CHUNKS:-1 4 12} --graphs on --stages codec \
+  --codec-layouts ${CODEC_LAYOUTS:-contiguous} --out "$OUT/stages_codec.json"
+[ -z "${SKIP_KERNELS:-}" ] && LIMIT=${KERNELS_S:-160} step gpu_check_kernels python3 -m engine.tools.gpu_check_kernels "$OUT/kernels"
 [ -z "${SKIP_CODEC:-}" ] && LIMIT=${CODEC_S:-110} step gpu_check_codec python3 -m engine.tools.gpu_check_codec \
-  ${CODEC_ARGS:-} "$OUT/codec"
+  "$OUT/codec" ${CODEC_ARGS:-}
 [ -z "${SKIP_SAMPLER:-}" ] && LIMIT=${SAMPLER_S:-80} step gpu_check_sampler python3 -m engine.tools.gpu_check_sampler \
   "$OUT/sampler"
 [ -n "${ENGINE_TESTS:-}" ] && LIMIT=200 step engine_tests env VOICELANE_TEST_DEVICE=cuda python3 -m pytest -q -x tests/test_engine.py
