@@ -10,6 +10,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported: @t
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import engine.kernels.sampler as ks  # noqa: E402
@@ -206,3 +208,68 @@ def test_gpu_check_script_imports_and_refuses_without_a_gpu(tmp_path):
     from engine.tools import gpu_check_sampler
 
     assert gpu_check_sampler.main([str(tmp_path)]) == 2
+
+
+@triton.jit
+def _kth_probe(key_ptr, out_ptr, n, k, BLOCK: tl.constexpr, DIGIT_BITS: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    valid = cols < n
+    key = tl.load(key_ptr + cols, mask=valid, other=0).to(tl.uint32, bitcast=True)
+    tl.store(out_ptr, ks._kth_largest_key(key, valid, k, DIGIT_BITS).to(tl.int32, bitcast=True))
+
+
+def _kth(keys: list[int], k: int, digit_bits: int) -> int:
+    block = max(16, 1 << (len(keys) - 1).bit_length())
+    padded = keys + [0xFFFFFFFF] * (block - len(keys))  # padding must never count: it is the largest key
+    signed = torch.tensor([x - (1 << 32) if x >= 1 << 31 else x for x in padded], dtype=torch.int32)
+    out = torch.zeros(1, dtype=torch.int32)
+    _kth_probe[(1,)](signed, out, len(keys), k, BLOCK=block, DIGIT_BITS=digit_bits)
+    return int(out) & 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("digit_bits", [2, 4, 8])
+def test_radix_select_finds_the_kth_largest_key_whatever_its_stopping_pass(digit_bits):
+    """The select stops early when the k-th is the smallest or largest of its tied keys, or runs every pass:
+    random keys, heavy duplicates, all equal, keys differing only in the lowest bits, k = 1 and k = n."""
+    gen = torch.Generator().manual_seed(digit_bits)
+    cases = [
+        torch.randint(0, 2**32, (300,), generator=gen, dtype=torch.int64).tolist(),
+        (torch.randint(0, 4, (200,), generator=gen) * 0x01010101 + 0x80000000).tolist(),
+        [0xC0000000] * 37,
+        (0xBF800000 + torch.randint(0, 8, (64,), generator=gen)).tolist(),
+        [0x12345678],
+    ]
+    for keys in cases:
+        ordered = sorted(keys, reverse=True)
+        for k in sorted({min(2, len(keys)), 1, len(keys) // 3 + 1, max(len(keys) - 1, 1), len(keys)}):
+            assert _kth(keys, k, digit_bits) == ordered[k - 1], (len(keys), k)
+
+
+@pytest.mark.parametrize("digit_bits,num_warps", [(2, 4), (8, 4), (4, 8)])
+def test_every_launch_variant_draws_the_reference_ids(digit_bits, num_warps):
+    gen = torch.Generator().manual_seed(30 + digit_bits)
+    B, V = 10, 2048
+    logits = (torch.randn(B, V, generator=gen) * 3).to(torch.bfloat16)
+    logits[:3] = logits[:3].round()  # many ties at the k-th value
+    rows, counter = _rows(gen, B, V)
+    got = ks.launch(logits, rows.temperature, rows.top_k, rows.top_p, rows.seed, counter, None,
+                    ks.scratch(B, V, logits.device), digit_bits=digit_bits, num_warps=num_warps)
+    assert torch.equal(got, choose(logits.float(), rows, counter))
+
+
+def test_gpu_check_variant_sweep_checks_ids_on_the_cpu(monkeypatch):
+    """The GPU check's variant sweep (timed only on CUDA) compares every variant's ids; here it runs, and fails on
+    a variant that draws other ids."""
+    from engine.tools import gpu_check_sampler as check
+
+    rows, failures = check.graph_timings(torch.device("cpu"), shapes=((2048, 2),), scales=(0.64,))
+    assert failures == [] and len(rows) == 2 * len(check.VARIANTS) and all(r["ids_ok"] for r in rows)
+    real_launch = ks.launch
+
+    def off_by_one(*args, digit_bits=None, num_warps=None):
+        ids = real_launch(*args, digit_bits=digit_bits, num_warps=num_warps)
+        return (ids + 1) % 2048 if digit_bits == 2 else ids
+
+    monkeypatch.setattr(check.kernel, "launch", off_by_one)
+    _, failures = check.graph_timings(torch.device("cpu"), shapes=((2048, 2),), scales=(0.64,))
+    assert failures and all("bits 2" in f for f in failures)

@@ -6,7 +6,7 @@ It makes the same choice as the PyTorch reference `engine.model.sampling.choose`
 - the Talker's rules (repetition penalty, code-0 suppression, EOS masked before min_frames) applied in registers;
 - greedy rows (temperature 0) take the first maximal logit;
 - sampled rows divide by their temperature (IEEE division, as torch does), keep the scores >= the k-th largest
-  (found by a 4-pass radix select over order-preserving integer keys, not a sort), then, only for rows with
+  (found by a radix select over order-preserving integer keys, not a sort, that stops once the k-th is pinned), then, only for rows with
   top_p < 1, keep the scores whose strictly-greater probability mass is below top_p (a 32-step search over the
   same keys); the survivors are packed into a per-row scratch list and only they get Gumbel noise: the same
   32-bit hash, uniform and float64 double log as `gumbel_noise`, rounded to float32 and added to the score;
@@ -37,7 +37,14 @@ except ImportError as exc:  # CPU-only installs: the PyTorch reference serves, k
 else:
     _IMPORT_ERROR = None
 
-CHUNK = 64  # survivors noised per loop step: a top-k of 50 is one step
+# The launch configuration, chosen by measurement on the H200 (engine.tools.gpu_check_sampler times the variants
+# inside a CUDA graph, as the engine runs them).
+DIGIT_BITS = 4  # radix-select digit: 16 bins a pass are far cheaper than 256 in Triton's ballot histogram
+THREADS_PER_WARP = 32
+
+
+def num_warps_for(block: int) -> int:
+    return 4 if block <= 2048 else 8
 
 
 def kernels_status() -> dict:
@@ -86,23 +93,32 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _kth_largest_key(key, valid, k):
-        """The k-th largest of the valid keys (1 <= k <= their count): radix select, 8 bits a pass."""
-        prefix = tl.full([], 0, tl.uint32)
+    def _kth_largest_key(key, valid, k, DIGIT_BITS: tl.constexpr):
+        """The k-th largest of the valid keys (1 <= k <= their count): radix select from the top, DIGIT_BITS bits
+        a pass. It stops as soon as the k-th is the smallest or the largest of the keys still tied with it on the
+        digits so far (usually after two or three passes), and takes it with one reduction."""
+        BINS: tl.constexpr = 1 << DIGIT_BITS
+        bins = tl.arange(0, BINS)
+        live = valid
         remaining = k
-        bins = tl.arange(0, 256)
-        for p in tl.static_range(4):
-            shift = 24 - 8 * p
-            if p == 0:
-                live = valid
-            else:
-                live = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-            hist = tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=live)  # [256]
+        result = tl.full([], 0, tl.uint32)
+        shift = 32 - DIGIT_BITS
+        while shift >= 0:
+            digits = ((key >> shift.to(tl.uint32)) & (BINS - 1)).to(tl.int32)
+            hist = tl.histogram(digits, BINS, mask=live)  # [BINS]
             at_least = tl.cumsum(hist, axis=0, reverse=True)  # live keys whose digit >= bin
             digit = tl.sum((at_least >= remaining).to(tl.int32), axis=0) - 1
             remaining -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-            prefix = prefix | (digit.to(tl.uint32) << shift)
-        return prefix
+            tied = tl.sum(tl.where(bins == digit, hist, 0), axis=0)
+            live = live & (digits == digit)
+            if (tied == remaining) | (remaining == 1) | (shift == 0):
+                lowest = tl.min(tl.where(live, key, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=0)
+                highest = tl.max(tl.where(live, key, tl.full([], 0, tl.uint32)), axis=0)
+                result = tl.where(tied == remaining, lowest, highest)
+                shift = -1
+            else:
+                shift -= DIGIT_BITS
+        return result
 
     @triton.jit
     def _nucleus_key(score, key, keep, top_p):
@@ -123,7 +139,7 @@ if triton is not None:
     def _sample_rows(logits_ptr, logits_stride, out_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr,
                      counter_ptr, counter_stride, seen_ptr, seen_stride, penalty_ptr, allow_eos_ptr, suppress_ptr,
                      eos_id, scratch_col_ptr, scratch_val_ptr, V,
-                     TALKER: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+                     TALKER: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, DIGIT_BITS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         valid = cols < V
@@ -146,7 +162,7 @@ if triton is not None:
             k = tl.minimum(tl.maximum(tl.where(top_k > 0, top_k, V), 1), V).to(tl.int32)
             keep = valid
             if k < V:
-                kth = _key_value(_kth_largest_key(key, valid, k))
+                kth = _key_value(_kth_largest_key(key, valid, k, DIGIT_BITS))
                 keep = valid & (score >= kth)
             top_p = tl.load(top_p_ptr + row)
             if top_p < 1.0:
@@ -227,8 +243,10 @@ def scratch(B: int, V: int, device) -> tuple[Tensor, Tensor]:
 
 
 def launch(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, counter: Tensor,
-           talker: tuple[Tensor, Tensor, Tensor, Tensor, int] | None, space: tuple[Tensor, Tensor]) -> Tensor:
-    """fused_sample without the checks (callers that checked once, e.g. the Code Predictor's 15 draws)."""
+           talker: tuple[Tensor, Tensor, Tensor, Tensor, int] | None, space: tuple[Tensor, Tensor],
+           digit_bits: int | None = None, num_warps: int | None = None) -> Tensor:
+    """fused_sample without the checks (callers that checked once, e.g. the Code Predictor's 15 draws).
+    digit_bits (2, 4 or 8) and num_warps override the measured launch configuration (for the GPU check)."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
@@ -240,9 +258,12 @@ def launch(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, se
         seen = penalty = allow_eos = suppress = logits  # never read: TALKER is a compile-time False
         eos_id, seen_stride = 0, 0
     block = space[0].shape[1]
+    warps = num_warps or num_warps_for(block)
+    # Survivors are noised one chunk a loop step, one per thread: a top-k of 50 is one step.
     _sample_rows[(B,)](logits, logits.stride(0), out, temperature, top_k, top_p, seed, counter, counter.stride(0),
                        seen, seen_stride, penalty, allow_eos, suppress, eos_id, space[0], space[1], V,
-                       TALKER=talker is not None, BLOCK=block, CHUNK=CHUNK, num_warps=4 if block <= 2048 else 8)
+                       TALKER=talker is not None, BLOCK=block, CHUNK=min(block, THREADS_PER_WARP * warps),
+                       DIGIT_BITS=digit_bits or DIGIT_BITS, num_warps=warps)
     return out
 
 

@@ -33,7 +33,7 @@ from engine.kernels.snake import conv_window, snake, use_triton
 
 LAYOUTS = ("contiguous", "channels_last")
 LAYOUT_ENV = "VOICELANE_CODEC_LAYOUT"
-DEFAULT_LAYOUT = "contiguous"
+DEFAULT_LAYOUT = "channels_last"  # H200, 2026-12-02: faster at every batch and chunk (docs/PERFORMANCE.md)
 
 
 def layout_choice(value: str | None = None) -> str:

@@ -7,7 +7,8 @@ timings, then the Code Predictor's 15-code loop end to end. Needs a CUDA GPU; ab
    and fp32, B in 1 8 32 64, V in 2048 3072, rows of mixed settings. Greedy rows and sampled rows without top-p
    must match exactly; sampled rows with top_p < 1 may differ only where a mass sits within rounding of top_p
    (allowed: under 0.5 % of them). Plus the draw that a float32 uniform would round to 1.0 (+inf noise).
-2. Median device time (triton.testing.do_bench) of one draw, kernel vs reference.
+2. Median device time (triton.testing.do_bench) of one draw, kernel vs reference; then every launch variant
+   (radix digit bits, warps) inside a CUDA graph, as the engine runs it: device time per draw and its ids.
 3. The Code Predictor loop (random:1.7b, bf16, prepared tables) at B1 and B64: reference vs kernel eagerly,
    the kernel in a CUDA graph, greedy and sampled codes kernel == reference and graph == eager.
 
@@ -144,6 +145,57 @@ def timings(device) -> list[dict]:
     return out
 
 
+VARIANTS = ((8, None), (4, None), (2, None), (4, 8), (4, 16), (8, 16))  # (digit bits, warps; None: the default)
+
+
+def graph_timings(device, shapes=((2048, 1), (2048, 64), (3072, 1), (3072, 64)), scales=(0.64, 3.0),
+                  draws: int = 20, replays: int = 20) -> tuple[list[dict], list[str]]:
+    """Each launch variant as the engine runs it: `draws` draws captured in one CUDA graph, device time per draw
+    from events around `replays` replays (no host launch cost in it; CUDA only). Ids: every variant equals the
+    first on every row, and the reference on rows without top-p (top-p may differ within rounding, see above).
+    V 3072 rows carry the Talker's rules."""
+    out, failures = [], []
+    gen = torch.Generator().manual_seed(2)
+    for V, B in shapes:
+        for scale in scales:  # random weights' logit spread, and a peakier one
+            logits = (torch.randn(B, V, generator=gen) * scale).to(device=device, dtype=torch.bfloat16)
+            rules = talker_rules(gen, B, V, device) if V == 3072 else None
+            default = SamplerRows(torch.full((B,), 0.9, device=device), torch.full((B,), 50, device=device),
+                                  torch.full((B,), 1.0, device=device), torch.arange(B, device=device) + 7)
+            for name, rows in (("default (t0.9 k50 p1)", default), ("mixed", mixed_rows(gen, B, V, device)[0])):
+                counter = torch.arange(B, device=device) * 3
+                want = reference_draw(logits, rows, counter, rules)
+                exact = rows.top_p >= 1.0
+                first = None
+                for bits, warps in VARIANTS:
+                    space = kernel.scratch(B, V, device)
+                    args = (logits, rows.temperature, rows.top_k, rows.top_p, rows.seed, counter,
+                            rules.as_tuple() if rules else None, space)
+                    got = kernel.launch(*args, digit_bits=bits, num_warps=warps)
+                    first = got if first is None else first
+                    ok = bool(torch.equal(got[exact], want[exact]) and torch.equal(got, first))
+                    if not ok:
+                        failures.append(f"sampler variant V{V} B{B} x{scale} {name} bits {bits} warps "
+                                        f"{warps or 'default'}: ids differ")
+                    row = {"V": V, "B": B, "scale": scale, "rows": name, "digit_bits": bits,
+                           "num_warps": warps or kernel.num_warps_for(space[0].shape[1]), "ids_ok": ok}
+                    if name == "default (t0.9 k50 p1)" and device.type == "cuda":
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph):
+                            for _ in range(draws):
+                                kernel.launch(*args, digit_bits=bits, num_warps=warps)
+                        graph.replay()
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        for _ in range(replays):
+                            graph.replay()
+                        end.record()
+                        torch.cuda.synchronize()
+                        row["graph_us_per_draw"] = round(start.elapsed_time(end) * 1e3 / (replays * draws), 2)
+                    out.append(row)
+    return out, failures
+
+
 def code_predictor_loop(device) -> tuple[list[dict], list[str]]:
     from triton.testing import do_bench
 
@@ -214,10 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     ids, failures = correctness(device, a.repeats)
     times = timings(device)
+    variants, variant_failures = graph_timings(device)
+    failures += variant_failures
     cp, cp_failures = ([], []) if a.skip_model else code_predictor_loop(device)
     failures += cp_failures
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "kernel": status, "ids": ids,
-              "draw_timings": times, "code_predictor": cp, "failures": failures,
+              "draw_timings": times, "graph_variants": variants,
+              "code_predictor": cp, "failures": failures,
               "seconds": round(time.monotonic() - t0, 1)}
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -230,6 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'V':>5}{'B':>4}  {'rows':<22}{'kernel us':>10}{'reference us':>14}")
     for r in times:
         print(f"{r['V']:>5}{r['B']:>4}  {r['rows']:<22}{r['kernel_us']:>10.1f}{r['reference_us']:>14.1f}")
+    print(f"\nin a CUDA graph, us per draw (default rows t0.9 k50 p1)\n{'V':>5}{'B':>4}{'scale':>6}"
+          + "".join(f"{str(b) + 'b/' + str(w or 'd') + 'w':>9}" for b, w in VARIANTS))
+    timed = [r for r in variants if "graph_us_per_draw" in r]
+    for i in range(0, len(timed), len(VARIANTS)):
+        r = timed[i]
+        print(f"{r['V']:>5}{r['B']:>4}{r['scale']:>6}"
+              + "".join(f"{v['graph_us_per_draw']:>9.1f}" for v in timed[i : i + len(VARIANTS)]))
     if cp:
         print(f"\nCode Predictor loop (15 codes, random:1.7b bf16)\n{'B':>3}  {'rows':<8}{'ref eager ms':>13}"
               f"{'kernel eager ms':>16}{'kernel graph ms':>16}  codes differ  graph==eager")
