@@ -6,11 +6,11 @@ It makes the same choice as the PyTorch reference `engine.model.sampling.choose`
 - the Talker's rules (repetition penalty, code-0 suppression, EOS masked before min_frames) applied in registers;
 - greedy rows (temperature 0) take the first maximal logit;
 - sampled rows divide by their temperature (IEEE division, as torch does), keep the scores >= the k-th largest
-  (found by a radix select over order-preserving integer keys, not a sort, that stops once the k-th is pinned), then, only for rows with
-  top_p < 1, keep the scores whose strictly-greater probability mass is below top_p (a 32-step search over the
-  same keys); the survivors are packed into a per-row scratch list and only they get Gumbel noise: the same
-  32-bit hash, uniform and float64 double log as `gumbel_noise`, rounded to float32 and added to the score;
-  the first maximal sum wins, as torch's argmax.
+  (found by a radix select over order-preserving integer keys, not a sort, that stops once the k-th is
+  pinned), then, only for rows with top_p < 1, keep the scores whose strictly-greater probability mass is
+  below top_p (a 32-step search over the same keys); the survivors are packed into a per-row scratch list and
+  only they get Gumbel noise: the same 32-bit hash, uniform and float64 double log as `gumbel_noise`, rounded
+  to float32 and added to the score; the first maximal sum wins, as torch's argmax.
 - NaN logits count as -inf (never chosen while a finite one exists). The reference would pick a NaN itself;
   such rows fail as "non-finite" in the runner either way, the kernel only promises an id in [0, V).
 
