@@ -26,6 +26,8 @@ Definitions and the choices this module makes where the text leaves room:
 - Audible TTFA: dispatch -> the moment the onset sample *plays* on the client's playback timeline above (so
   leading silence the server sends counts against it, and so does a stall before the onset). If the stream has
   no audible onset at all, audible TTFA is +inf (the listener never heard anything).
+- A request that underran keeps its playback timeline (`timeline_ms`: each packet's arrival, play time, audio
+  start and length), so a report shows which packet was late and by how much.
 - E2E: dispatch -> arrival of the last byte (HTTP: the last body chunk; WebSocket: the `last` audio packet).
 - Percentiles use linear interpolation between order statistics (numpy's default method) and accept +inf:
   a refused or failed request enters every latency percentile as +inf, so percentiles are over the requests
@@ -175,6 +177,14 @@ def percentiles(values, qs=(50, 95, 99)) -> dict:
     return {f"p{q:g}": percentile(values, q) for q in qs}
 
 
+def playback_timeline(pb: Playback, dispatch: float) -> list[list[float]]:
+    """[arrival, plays at, audio start, audio length] per playable packet, ms (times since dispatch, audio on the
+    stream's own clock): a late packet is one whose arrival equals its play time after the first."""
+    return [[round((p.t - dispatch) * 1e3, 2), round((s - dispatch) * 1e3, 2),
+             round((p.start - pb.start0) / pb.sr * 1e3, 2), round(p.n / pb.sr * 1e3, 2)]
+            for p, s in zip(pb.packets, pb.starts, strict=True)]
+
+
 def request_metrics(dispatch: float, packets, samples=None, sr: int = SAMPLE_RATE, last_byte: float | None = None,
                     until: float | None = None) -> dict:
     """The per-request metrics of docs/benchmarks/README.md 1 from one stream's packets (and its decoded samples, for
@@ -189,6 +199,8 @@ def request_metrics(dispatch: float, packets, samples=None, sr: int = SAMPLE_RAT
     out["first_playable_ms"] = (pb.t0 - dispatch) * 1e3
     out["underruns"] = pb.underruns
     out["stall_ms"] = pb.stall_s * 1e3
+    if pb.underruns:  # the evidence to explain it later: every packet's arrival beside when it played
+        out["timeline_ms"] = playback_timeline(pb, dispatch)
     out["audio_ms"] = sum(p.n for p in pb.packets) / sr * 1e3
     if samples is not None:
         x = np.asarray(samples)

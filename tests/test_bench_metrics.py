@@ -197,3 +197,13 @@ def test_summary_underruns_cancelled_and_slo():
     slow = metrics.summarize([_rec(ttfa=60.0) for _ in range(10)], window_s=5.0)
     assert not slow["slo"]["pass"] and not slow["slo"]["ttfa_ok"]
     assert not metrics.summarize([], window_s=5.0)["slo"]["pass"]
+
+
+def test_an_underrunning_request_keeps_its_playback_timeline_and_a_smooth_one_does_not():
+    n = 1920  # 80 ms
+    smooth = [Packet(1.0 + k * 0.05, k * n, n) for k in range(4)]
+    assert "timeline_ms" not in metrics.request_metrics(0.99, smooth, last_byte=1.2)
+    late = smooth[:1] + [Packet(1.2, n, n), Packet(1.21, 2 * n, n)]  # the second packet is due at 1.08
+    got = metrics.request_metrics(0.99, late, last_byte=1.21)
+    assert got["underruns"] == 1 and got["stall_ms"] == pytest.approx(120.0)
+    assert got["timeline_ms"] == [[10.0, 10.0, 0.0, 80.0], [210.0, 210.0, 80.0, 80.0], [220.0, 290.0, 160.0, 80.0]]
