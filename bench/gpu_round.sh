@@ -29,7 +29,7 @@ LIMIT=${PROFILE_S:-200} step profile python3 -m engine.tools.profile_stages --mo
   ${PROFILE_ARGS:-} --out "$OUT/stages.json"
 LIMIT=${PROFILE_CODEC_S:-200} step profile_codec python3 -m engine.tools.profile_stages --model random:1.7b \
   --batches ${BATCHES:-1 8 32 64} --chunks ${CHUNKS:-1 4 12} --graphs on --stages codec \
-  --codec-layouts ${CODEC_LAYOUTS:-contiguous} --out "$OUT/stages_codec.json"
+  ${CODEC_LAYOUTS:+--codec-layouts $CODEC_LAYOUTS} --out "$OUT/stages_codec.json"
 [ -z "${SKIP_KERNELS:-}" ] && LIMIT=${KERNELS_S:-160} step gpu_check_kernels python3 -m engine.tools.gpu_check_kernels "$OUT/kernels"
 [ -z "${SKIP_CODEC:-}" ] && LIMIT=${CODEC_S:-110} step gpu_check_codec python3 -m engine.tools.gpu_check_codec \
   "$OUT/codec" ${CODEC_ARGS:-}
