@@ -24,11 +24,21 @@ if [ -n "${TUNE:-}" ]; then
 fi
 # The profile first: if a check hangs until its limit, the stage times still come back.
 # The language-model stages and the codec are two runs, so one slow half cannot take the other's numbers with it.
-LIMIT=${PROFILE_S:-200} step profile python3 -m engine.tools.profile_stages --model random:1.7b \
-  --batches ${BATCHES:-1 8 32 64} --prompt-lens 16 64 --graphs on --stages prefill talker code_predictor \
-  ${PROFILE_ARGS:-} --out "$OUT/stages.json"
-LIMIT=${PROFILE_CODEC_S:-200} step profile_codec python3 -m engine.tools.profile_stages --model random:1.7b \
-  --batches ${BATCHES:-1 8 32 64} --chunks ${CHUNKS:-1 4 12} --graphs on --stages codec \
+# VARIANTS="NAME:VAR=VALUE,VAR=VALUE ...": the language-model profile once per variant of the environment (e.g.
+# VOICELANE_PDL on and off), each into stages_NAME.json, instead of the one profile.
+lm_profile() {  # lm_profile NAME [VAR=VALUE...]
+  local name=$1; shift
+  LIMIT=${PROFILE_S:-200} step "$name" env "$@" python3 -m engine.tools.profile_stages --model random:1.7b \
+    --batches ${BATCHES:-1 8 32 64} --prompt-lens ${PROMPT_LENS:-16 64} --graphs on \
+    --stages ${LM_STAGES:-prefill talker code_predictor} ${PROFILE_ARGS:-} --out "$OUT/stages_$name.json"
+}
+if [ -n "${VARIANTS:-}" ]; then
+  for v in $VARIANTS; do lm_profile "${v%%:*}" $(echo "${v#*:}" | tr , ' '); done
+elif [ -z "${SKIP_PROFILE:-}" ]; then
+  lm_profile lm
+fi
+[ -z "${SKIP_PROFILE_CODEC:-}" ] && LIMIT=${PROFILE_CODEC_S:-200} step profile_codec python3 -m engine.tools.profile_stages \
+  --model random:1.7b --batches ${BATCHES:-1 8 32 64} --chunks ${CHUNKS:-1 4 12} --graphs on --stages codec \
   ${CODEC_LAYOUTS:+--codec-layouts $CODEC_LAYOUTS} --out "$OUT/stages_codec.json"
 [ -z "${SKIP_KERNELS:-}" ] && LIMIT=${KERNELS_S:-160} step gpu_check_kernels python3 -m engine.tools.gpu_check_kernels "$OUT/kernels"
 [ -z "${SKIP_CODEC:-}" ] && LIMIT=${CODEC_S:-110} step gpu_check_codec python3 -m engine.tools.gpu_check_codec \

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import torch
 
+from engine import kernels
 from engine.api import (
     ContextClosed,
     ContextSpec,
@@ -213,9 +214,19 @@ class Engine:
                   FastPath(False, f"capture failed: {self.runner.graph_failure}"))
         return Readiness(model_loaded=True, warmed_up=self.warmed_up, engine_running=self.core.crashed is None,
                          device=str(self.loaded.device), dtype=str(self.loaded.dtype).replace("torch.", ""),
-                         cuda_graphs=graphs,
-                         triton_attention=FastPath(False, "not built yet: attention runs in plain PyTorch"),
+                         cuda_graphs=graphs, triton_kernels=self._kernels_report(),
                          random_weights=self.loaded.random_weights)
+
+    def _kernels_report(self) -> FastPath:
+        status = kernels.kernels_status()
+        device = self.loaded.device
+        if device.type != "cuda":
+            return FastPath(False, "CPU device: the PyTorch path", details=status)
+        if status["cuda_kernels"] != "triton":
+            why = status["triton_error"] or f"{kernels.ENV}={status['choice']}"
+            return FastPath(False, f"the unfused PyTorch path ({why})", details=status)
+        kernels.pdl(device)  # decided (and reported below) even before a launch asks
+        return FastPath(True, details=kernels.kernels_status())
 
     def start(self) -> None:
         self.core.start()

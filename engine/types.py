@@ -211,6 +211,7 @@ class FastPath:
     prefill_batches: list[int] | None = None
     prefill_lengths: list[int] | None = None
     prefill_eager_above: int | None = None  # prompts longer than this prefill eagerly
+    details: dict | None = None  # the Triton kernels: engine.kernels.kernels_status() (PDL, the GEMM table)
 
     def to_json(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -226,10 +227,10 @@ class Readiness:
     device: str
     dtype: str  # "bfloat16", "float32", ...
     cuda_graphs: FastPath
-    triton_attention: FastPath
+    triton_kernels: FastPath  # the model's fused kernels (attention, norms, GEMMs, sampler) on the device
     random_weights: bool
 
     def to_json(self) -> dict:
         out = asdict(self)
-        out["cuda_graphs"], out["triton_attention"] = self.cuda_graphs.to_json(), self.triton_attention.to_json()
+        out["cuda_graphs"], out["triton_kernels"] = self.cuda_graphs.to_json(), self.triton_kernels.to_json()
         return out

@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT: how long contexts in flight may finish (under k8s' 30 s grace)")
     g.add_argument("--opus-complexity", type=int, default=10)
     g.add_argument("--encode-threads", type=int, default=max(2, min(8, (os.cpu_count() or 2))))
+    g.add_argument("--gil-switch-interval-ms", type=float, default=ServerConfig.gil_switch_interval_ms,
+                   help="how long a thread may hold the GIL while another waits (0: Python's 5 ms)")
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up utterance before /ready")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
@@ -171,6 +173,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
                        http_body_timeout_s=a.http_body_timeout_s,
                        max_connections_per_client=a.max_connections_per_client,
                        opus_complexity=a.opus_complexity, encode_threads=a.encode_threads,
+                       gil_switch_interval_ms=a.gil_switch_interval_ms,
                        test_hooks=a.enable_test_hooks, log_level=a.log_level, warmup=not a.no_warmup)
     cfg.validate()
     check_model_spec(cfg.model)
@@ -259,12 +262,15 @@ def serve(cfg: ServerConfig) -> int:
 
     runtime = Runtime(cfg)
     app = create_app(runtime, make_loader(cfg))
+    if cfg.gil_switch_interval_ms:
+        sys.setswitchinterval(cfg.gil_switch_interval_ms / 1000.0)
     try:
         import uvloop  # noqa: F401
 
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
+        log.warning("uvloop is not installed: serving on asyncio's own event loop (slower; pip install uvloop)")
     try:
         import httptools  # noqa: F401
 

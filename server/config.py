@@ -78,6 +78,9 @@ class ServerConfig:
     rate_limit_burst: int = 10
     opus_complexity: int = 10
     encode_threads: int = 4
+    # sys.setswitchinterval: how long a thread may hold the GIL while another waits for it. Python's 5 ms would let
+    # the event loop hold back the engine thread (or the reverse) for a whole step; 0 = leave Python's
+    gil_switch_interval_ms: float = 1.0
     test_hooks: bool = False  # fault injection through context.create (tests only)
     log_level: str = "info"
     warmup: bool = True
@@ -104,6 +107,9 @@ class ServerConfig:
             raise ServerConfigError(f"opus_complexity = {self.opus_complexity}; use 0..10")
         if self.cpu_threads < 0:
             raise ServerConfigError(f"cpu_threads = {self.cpu_threads}; use 0 (torch's default) or more")
+        if self.gil_switch_interval_ms < 0:
+            raise ServerConfigError(f"gil_switch_interval_ms = {self.gil_switch_interval_ms}; use 0 (Python's "
+                                    "default) or milliseconds")
         if self.encode_threads < 1:
             raise ServerConfigError(f"encode_threads = {self.encode_threads}; it must be >= 1")
         if len(self.metrics_key) > 1:

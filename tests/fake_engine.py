@@ -18,7 +18,7 @@ class FakeEngine:
     def readiness(self) -> Readiness:
         off = FastPath(False, "fake")
         return Readiness(model_loaded=True, warmed_up=True, engine_running=self.running, device="cpu",
-                         dtype="float32", cuda_graphs=off, triton_attention=off, random_weights=True)
+                         dtype="float32", cuda_graphs=off, triton_kernels=off, random_weights=True)
 
     def open_context(self, spec):
         raise AssertionError("this test's requests must be answered before the engine")

@@ -23,7 +23,13 @@ H200 = GPUTarget("cuda", 90, 32)
 
 def _compile(fn, dtype: str, constexprs: dict, pointers: dict[str, str] | None = None) -> None:
     """Compile `fn` with every `*_ptr` argument of `dtype` (unless `pointers` says otherwise), ints as i32,
-    eps and scale as fp32."""
+    eps and scale as fp32; a kernel with a GDC constexpr twice: without and with programmatic dependent launch,
+    whose PTX must then wait for the kernel before (and let the next one launch)."""
+    if any(p.name == "GDC" for p in fn.params) and "GDC" not in constexprs:
+        _compile(fn, dtype, constexprs | {"GDC": False}, pointers)
+        ptx = _compile(fn, dtype, constexprs | {"GDC": True}, pointers)
+        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+        return ptx
     pointers = pointers or {}
     signature = {}
     for p in fn.params:
@@ -38,6 +44,7 @@ def _compile(fn, dtype: str, constexprs: dict, pointers: dict[str, str] | None =
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=H200,
                               options={"num_warps": 4})
     assert compiled.asm["cubin"]
+    return compiled.asm["ptx"]
 
 
 def _kernel_modules():
@@ -70,9 +77,23 @@ def compile_linear(dtype: str) -> None:
     pointers = {"part_ptr": "*fp32", "ticket_ptr": "*i32"}
     for swiglu, dot, split, block_m in ((False, True, False, 16), (True, True, True, 64), (True, False, True, 1),
                                         (False, False, False, 4)):
-        _compile(linear._skinny_kernel, dtype,
-                 {"SWIGLU": swiglu, "DOT": dot, "IEEE": dtype == "fp32", "SPLIT": split, "INTERPRET": False,
-                  "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 256}, pointers)
+        ptx = _compile(linear._skinny_kernel, dtype,
+                       {"SWIGLU": swiglu, "DOT": dot, "IEEE": dtype == "fp32", "SPLIT": split, "INTERPRET": False,
+                        "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 256, "LINE": 64}, pointers)
+        # under PDL the weights are pulled into L2 before the wait for the kernel before
+        assert "prefetch.global.L2" in ptx.split("griddepcontrol.wait")[0]
+
+
+def compile_sampler(dtype: str) -> None:
+    from engine.kernels import sampler
+
+    pointers = {"logits_ptr": f"*{dtype}", "out_ptr": "*i64", "temperature_ptr": "*fp32", "top_k_ptr": "*i64",
+                "top_p_ptr": "*fp32", "seed_ptr": "*i64", "counter_ptr": "*i64", "seen_ptr": "*i1",
+                "penalty_ptr": "*fp32", "allow_eos_ptr": "*i1", "suppress_ptr": "*i1", "scratch_col_ptr": "*i32",
+                "scratch_val_ptr": "*fp32"}
+    for talker in (False, True):
+        _compile(sampler._sample_rows, dtype, {"TALKER": talker, "BLOCK": 2048, "CHUNK": 256, "DIGIT_BITS": 4},
+                 pointers)
 
 
 def compile_codec(dtype: str) -> None:
@@ -117,11 +138,16 @@ def test_linear_kernel_compiles(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_sampler_kernel_compiles(dtype):
+    _in_fresh_python("sampler", dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_codec_window_kernel_compiles(dtype):
     _in_fresh_python("codec", dtype)
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parents[1]))
-    {"norm": compile_norm, "attention": compile_attention, "linear": compile_linear,
+    {"norm": compile_norm, "attention": compile_attention, "linear": compile_linear, "sampler": compile_sampler,
      "codec": compile_codec}[sys.argv[1]](sys.argv[2])

@@ -58,9 +58,11 @@ def test_skinny_linear_refuses_bad_shapes():
 
 def test_table_decides_per_gpu_shape_and_bucket(tmp_path, monkeypatch):
     cpu = torch.device("cpu")
-    config = kl.LinearConfig(16, 32, 2, True, 4, 2)
-    table = {"cpu": {kl.entry_key(40, 64, False, 3): kl.config_dict(config), kl.entry_key(40, 64, False, 1): None},
-             "Some Other GPU": {kl.entry_key(40, 64, False, 16): kl.config_dict(config)}}
+    config, slower = kl.LinearConfig(16, 32, 2, True, 4, 2), kl.LinearConfig(32, 64, 1, True, 4, 3)
+    table = {"cpu": {kl.entry_key(40, 64, False, 3): {"use": "skinny", "skinny": kl.config_dict(config)},
+                     kl.entry_key(40, 64, False, 1): {"use": "cublas", "skinny": kl.config_dict(slower)},
+                     kl.entry_key(40, 64, False, 2): {"use": "cublas", "skinny": None}},
+             "Some Other GPU": {kl.entry_key(40, 64, False, 16): {"use": "skinny", "skinny": kl.config_dict(config)}}}
     path = tmp_path / "table.json"
     path.write_text(json.dumps(table))
     monkeypatch.setenv(kl.TABLE_ENV, str(path))
@@ -74,8 +76,11 @@ def test_table_decides_per_gpu_shape_and_bucket(tmp_path, monkeypatch):
         assert kl.choose(cpu, 40, 64, 3, True) is None  # another shape
         assert kl.choose(cpu, 40, 64, 65, False) is None  # prefill rows: cuBLAS
         assert kl.choose(cpu, 40, 64, 3, False, torch.float32) is None  # measured in bfloat16 only
-        monkeypatch.setenv(kl.FORCE_ENV, "triton")
+        monkeypatch.setenv(kl.FORCE_ENV, "triton")  # the kernel everywhere: its tuned config where there is one
         assert kl.choose(cpu, 40, 64, 16, False) == kl.DEFAULT_CONFIG
+        assert kl.choose(cpu, 40, 64, 1, False) == slower
+        assert kl.choose(cpu, 40, 64, 2, False) == kl.DEFAULT_CONFIG
+        assert kl.choose(cpu, 40, 64, 3, False) == config
         monkeypatch.setenv(kl.FORCE_ENV, "cublas")
         assert kl.choose(cpu, 40, 64, 3, False) is None
         assert kl.kernels_status()["skinny_linear_tuned_for"] == {"cpu": 1, "Some Other GPU": 1}
@@ -107,7 +112,24 @@ def test_tuner_smoke_writes_a_table_of_every_shape(tmp_path):
     distinct = {(N, K, sw) for _, N, K, sw in shapes("tiny")}
     assert len(record["rows"]) == 2 * len(distinct) and record["failures"] == 0
     assert set(table) == {kl.entry_key(N, K, sw, r) for N, K, sw in distinct for r in (1, 3)}
+    assert all(e["use"] in ("skinny", "cublas") and e["skinny"] is not None for e in table.values())
     assert all(c["ok"] for row in record["rows"] for c in row["candidates"])
+
+
+def test_table_rebuilt_from_a_tune_record_keeps_every_choice(tmp_path):
+    """--from writes the committed table again from the H200 measurements it was made from: the same choices, and
+    the fastest kernel config kept where cuBLAS won."""
+    from pathlib import Path
+
+    from engine.tools.tune_linear import main
+
+    root = Path(__file__).parents[1]
+    assert main([str(tmp_path), "--from", str(root / "docs/benchmarks/h200/linear_tune_a906b83.json")]) == 0
+    rebuilt = json.loads((tmp_path / "linear_table.json").read_text())
+    assert rebuilt == json.loads((root / "engine/kernels/linear_table.json").read_text())
+    entries = rebuilt["NVIDIA H200"]
+    assert sum(e["use"] == "skinny" for e in entries.values()) == 16
+    assert all(e["skinny"] is not None for e in entries.values())
 
 
 def test_shapes_of_the_1p7b_model():

@@ -68,7 +68,7 @@ class DeadEngine:
     def readiness(self) -> Readiness:
         off = FastPath(False, "dead")
         return Readiness(model_loaded=True, warmed_up=True, engine_running=False, device="cpu", dtype="float32",
-                         cuda_graphs=off, triton_attention=off, random_weights=True)
+                         cuda_graphs=off, triton_kernels=off, random_weights=True)
 
     def stop(self) -> None:
         pass

@@ -190,6 +190,9 @@ def test_discovery_endpoints(server):
     status, _, data = http_get(server.http_url + "/ready")
     ready = json.loads(data)
     assert status == 200 and ready["ready"] and ready["warmed_up"] and "cuda_graphs" in ready
+    kernels = ready["triton_kernels"]  # what the fused kernels do here, and why: never a stale or silent answer
+    assert kernels["enabled"] is False and kernels["reason"].startswith("CPU device")
+    assert kernels["details"]["cuda_kernels"] in ("triton", "torch") and "pdl" in kernels["details"]
     status, _, data = http_get(server.http_url + "/")
     assert status == 200 and b"<html" in data.lower() or b"<!doctype" in data.lower()
     assert http_get(server.http_url + "/nope")[0] == 404

@@ -10,6 +10,12 @@ beside each one. The model code asks `use_triton(device)` per call:
   in the environment before the kernel modules are first imported (tests compare whole-model outputs this way).
 - VOICELANE_KERNELS=torch forces the PyTorch path everywhere (a GPU baseline).
 
+Programmatic dependent launch (PDL, sm_90 and later; VOICELANE_PDL=auto|on|off): each Triton kernel of the
+hot path is launched while the kernel before it still runs, waits on the device for that kernel's writes
+(engine/kernels/gdc.py) and lets the next one launch in turn, so a CUDA graph's kernels no longer pay launch
+latency and ramp one after another; the skinny GEMM also pulls its weights into L2 before it waits. `pdl(device)`
+says whether launches use it; `kernels_status()` says so (and why not) for /ready.
+
 The kernel modules are imported on first use only, so importing the model never imports triton.
 """
 
@@ -26,6 +32,8 @@ log = logging.getLogger("voicelane.kernels")
 
 ENV = "VOICELANE_KERNELS"
 CHOICES = ("auto", "triton", "torch")
+PDL_ENV = "VOICELANE_PDL"
+PDL_CHOICES = ("auto", "on", "off")
 
 
 class KernelsUnavailable(RuntimeError):
@@ -100,6 +108,59 @@ def use_triton(device: torch.device) -> bool:
     return True
 
 
+_pdl_devices: dict[str, tuple[bool, str]] = {}
+_pdl_override: str | None = None
+
+
+def _pdl_decision(device: torch.device) -> tuple[bool, str]:
+    """(PDL on, why) for Triton launches on `device`: on where the device can (sm_90+) unless VOICELANE_PDL=off;
+    VOICELANE_PDL=on where it cannot is an error, not a silent fallback."""
+    wanted = _pdl_override or os.environ.get(PDL_ENV, "auto").strip().lower() or "auto"
+    if wanted not in PDL_CHOICES:
+        raise ValueError(f"{PDL_ENV}={wanted!r}: choose one of {', '.join(PDL_CHOICES)}")
+    if wanted == "off":
+        return False, f"{PDL_ENV}=off"
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        why = "not a CUDA device" if device.type != "cuda" else "triton's interpreter"
+    elif torch.cuda.get_device_capability(device) < (9, 0):
+        why = f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))} (PDL needs sm_90 or later)"
+    else:
+        return True, f"{PDL_ENV}={wanted}: Triton kernels launch as programmatic dependents"
+    if wanted == "on":
+        raise KernelsUnavailable(f"{PDL_ENV}=on, but {why}")
+    return False, why
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether Triton kernels on `device` launch with programmatic dependent launch (decided once per device)."""
+    key = str(device)
+    if key not in _pdl_devices:
+        _pdl_devices[key] = _pdl_decision(device)
+        log.info("programmatic dependent launch on %s: %s", key, _pdl_devices[key][1])
+    return _pdl_devices[key][0]
+
+
+def launch_options(device: torch.device) -> dict:
+    """Keyword arguments for a kernel launch with a `GDC` constexpr: PDL on or off for this device."""
+    return {"GDC": True, "launch_pdl": True} if pdl(device) else {"GDC": False}
+
+
+@contextlib.contextmanager
+def pdl_mode(value: str) -> Iterator[None]:
+    """VOICELANE_PDL overridden for a with-block (a GPU check compares both in one process: kernels launched and
+    graphs captured inside it use `value`)."""
+    global _pdl_override
+    if value not in PDL_CHOICES:
+        raise ValueError(f"PDL mode {value!r}: choose one of {', '.join(PDL_CHOICES)}")
+    before, _pdl_override = _pdl_override, value
+    _pdl_devices.clear()
+    try:
+        yield
+    finally:
+        _pdl_override = before
+        _pdl_devices.clear()
+
+
 def kernels_status() -> dict:
     """For readiness and benchmark records: which kernels a CUDA device runs, and why."""
     error = _triton_import_error()
@@ -116,4 +177,5 @@ def kernels_status() -> dict:
         from engine.kernels import linear
 
         status |= linear.kernels_status()
+    status["pdl"] = {device: {"enabled": on, "reason": why} for device, (on, why) in _pdl_devices.items()}
     return status

@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.kernels import launch_options
+from engine.kernels.gdc import wait_inputs
 from engine.model.attention_ops import apply_rope, attention
 
 
@@ -31,7 +33,8 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin
                                slots_ptr, pos_ptr, T, H, eps,
                                s_qb, s_qt, s_kb, s_kt, s_vb, s_vt, s_cb, s_ct, s_sb, s_st, s_ob, s_ot,
                                s_cs, s_ch, s_cl, s_pb, s_pt,
-                               HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                               HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, GDC: tl.constexpr):
+    wait_inputs(GDC)
     bt = tl.program_id(0)
     head = tl.program_id(1)  # 0..H-1: a query head; H..H+Hkv-1: a key/value head
     b = bt // T
@@ -116,7 +119,7 @@ def qk_norm_rope_store(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weig
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), cos.stride(1), sin_signed.stride(0), sin_signed.stride(1), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), positions.stride(0), positions.stride(1),
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), num_warps=1)
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), num_warps=1, **launch_options(q.device))
     return q_out
 
 
@@ -169,7 +172,8 @@ def _cache_attention_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, slots_ptr, pos_ptr, 
                             T, scale, s_qb, s_qt, s_qh, s_ob, s_ot, s_oh, s_cs, s_ch, s_cl, s_pb, s_pt,
                             G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             SPLITS: tl.constexpr, HAS_VALID: tl.constexpr, IEEE: tl.constexpr,
-                            INTERPRET: tl.constexpr):
+                            INTERPRET: tl.constexpr, GDC: tl.constexpr):
+    wait_inputs(GDC)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     # Rows of this program: (query position t, query head g of this kv head), flattened as t * G + g. With
@@ -226,7 +230,9 @@ def _cache_attention_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, slots_ptr, pos_ptr, 
 
 @triton.jit
 def _combine_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, T, s_ob, s_ot, s_oh,
-                           G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+                           G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
+                           GDC: tl.constexpr):
+    wait_inputs(GDC)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     local = tl.arange(0, BLOCK_M)
@@ -308,10 +314,11 @@ def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, 
         T, D**-0.5, q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), positions.stride(0), positions.stride(1),
         G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLITS=splits, HAS_VALID=valid_len is not None,
-        IEEE=q.dtype == torch.float32, INTERPRET=_interpreting(), num_warps=4)
+        IEEE=q.dtype == torch.float32, INTERPRET=_interpreting(), num_warps=4, **launch_options(q.device))
     if splits > 1:
         _combine_splits_kernel[(B, Hkv)](part_acc, part_ml, out, T, out.stride(0), out.stride(1), out.stride(2),
-                                         G=G, D=D, BLOCK_M=BLOCK_M, SPLITS=splits, num_warps=4)
+                                         G=G, D=D, BLOCK_M=BLOCK_M, SPLITS=splits, num_warps=4,
+                                         **launch_options(q.device))
     return out
 
 

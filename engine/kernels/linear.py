@@ -12,9 +12,12 @@ and the ticket is reset by that program, so a CUDA graph can replay it.
 dtype exactly as engine.kernels.norm.swiglu does: the MLP's down projection without its separate SwiGLU kernel.
 
 Which kernel runs for a shape is decided by measurement on the GPU (engine.tools.tune_linear writes the table
-engine/kernels/linear_table.json, per GPU name, per weight shape and row bucket): where cuBLAS measured faster,
-or for a GPU or shape the table does not hold, `linear()` runs F.linear, and `kernels_status()` says which GPU
-the table was tuned on. Rows above 64 (prefill) always go to cuBLAS.
+engine/kernels/linear_table.json, per GPU name, per weight shape and row bucket: the fastest kernel config and
+whether cuBLAS beat it): where cuBLAS measured faster, or for a GPU or shape the table does not hold, `linear()`
+runs F.linear, and `kernels_status()` says which GPU the table was tuned on. VOICELANE_LINEAR=triton runs the
+kernel for every shape (its tuned config, else DEFAULT_CONFIG): under programmatic dependent launch a cuBLAS GEMM
+breaks the chain of overlapping launches, which the tuner's one-shape-at-a-time timing does not see. Rows above
+64 (prefill) always go to cuBLAS.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.kernels import launch_options
+from engine.kernels.gdc import L2_LINE_BYTES, prefetch_l2, wait_inputs
 from engine.kernels.norm import swiglu as swiglu_kernel
 from engine.kernels.norm import swiglu_reference
 
@@ -88,7 +93,8 @@ def _k_block(acc, x_ptr, w_ptr, rm, rn, k, m_ok, n_ok, K, stride_xm, stride_wn, 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_ym, split_k,
                    k_span, SWIGLU: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                   INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GDC: tl.constexpr, LINE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -99,6 +105,11 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * k_span  # k_span is a multiple of BLOCK_K: the slices tile K without overlap
     k_hi = k_lo + k_span
+    if GDC:  # the weights never depend on the kernel before: pull this program's slice into L2 while it runs
+        w_rows = w_ptr + tl.minimum(rn, N - 1)[:, None] * stride_wn
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            prefetch_l2(w_rows + tl.minimum(k0 + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)[None, :])
+    wait_inputs(GDC)
     if INTERPRET:  # triton 3.6's interpreter cannot take a device scalar as a range() bound (numpy >= 2)
         k0 = k_lo
         while k0 < k_hi:
@@ -170,7 +181,8 @@ def skinny_linear(x: Tensor, weight: Tensor, config: LinearConfig = DEFAULT_CONF
         x2, weight, y, part, tickets, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), splits, k_span,
         SWIGLU=swiglu, DOT=config.dot, IEEE=x.dtype == torch.float32, SPLIT=splits > 1,
         INTERPRET=_INTERPRET, BLOCK_M=block_m(M, config.dot), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        LINE=min(config.block_k, L2_LINE_BYTES // weight.element_size()), num_warps=config.num_warps,
+        num_stages=config.num_stages, **launch_options(x.device))
     return y.view(*x.shape[:-1], N)
 
 
@@ -198,7 +210,8 @@ _device_names: dict[str, str] = {}
 
 
 def table() -> dict:
-    """{gpu name: {"N,K,swiglu,rows": config dict or None (cuBLAS measured faster)}}."""
+    """{gpu name: {"N,K,swiglu,rows": {"use": "skinny" or "cublas" (which measured faster), "skinny": the fastest
+    correct kernel config dict, or None if no candidate was correct}}}."""
     global _table
     if _table is None:
         _table = _load_table()
@@ -229,11 +242,10 @@ def choose(device: torch.device, N: int, K: int, rows: int, swiglu: bool,
     if rows > MAX_ROWS or force == "cublas":
         return None
     per_gpu = table().get(_device_name(device), {}) if dtype == TUNED_DTYPE else {}
-    key = entry_key(N, K, swiglu, rows)
-    if key in per_gpu:
-        entry = per_gpu[key]
-        return None if entry is None else LinearConfig(**entry)
-    return DEFAULT_CONFIG if force == "triton" else None
+    entry = per_gpu.get(entry_key(N, K, swiglu, rows))
+    if force == "triton":
+        return LinearConfig(**entry["skinny"]) if entry and entry["skinny"] else DEFAULT_CONFIG
+    return LinearConfig(**entry["skinny"]) if entry and entry["use"] == "skinny" else None
 
 
 def linear(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
@@ -249,7 +261,7 @@ def linear(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
 
 def kernels_status() -> dict:
     """For readiness: the GPUs the table was tuned on, and how many shapes take the Triton kernel on each."""
-    return {"skinny_linear_tuned_for": {gpu: sum(v is not None for v in entries.values())
+    return {"skinny_linear_tuned_for": {gpu: sum(v["use"] == "skinny" for v in entries.values())
                                         for gpu, entries in table().items()},
             "skinny_linear_force": os.environ.get(FORCE_ENV) or None}
 

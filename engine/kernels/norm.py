@@ -14,11 +14,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.kernels import launch_options
+from engine.kernels.gdc import wait_inputs
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, out_ptr, N, eps,
                          stride_x, stride_r, stride_ro, stride_o,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    wait_inputs(GDC)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -56,7 +60,8 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
     BLOCK = triton.next_power_of_2(N)
     _add_rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, h, out, N, eps, x2.stride(0), r2.stride(0), h.stride(0), out.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=8 if BLOCK >= 4096 else 4)
+        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=8 if BLOCK >= 4096 else 4,
+        **launch_options(x.device))
     shape = x.shape
     return (h.view(shape) if residual is not None else x), out.view(shape)
 
@@ -68,7 +73,8 @@ def add_rms_norm_reference(x: Tensor, residual: Tensor | None, weight: Tensor, e
 
 
 @triton.jit
-def _swiglu_kernel(gu_ptr, out_ptr, width, stride_gu, stride_o, BLOCK: tl.constexpr):
+def _swiglu_kernel(gu_ptr, out_ptr, width, stride_gu, stride_o, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    wait_inputs(GDC)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -89,7 +95,8 @@ def swiglu(gate_up: Tensor) -> Tensor:
     out = torch.empty(x2.shape[0], width, device=gate_up.device, dtype=gate_up.dtype)
     BLOCK = min(1024, triton.next_power_of_2(width))
     _swiglu_kernel[(x2.shape[0], triton.cdiv(width, BLOCK))](x2, out, width, x2.stride(0), out.stride(0),
-                                                             BLOCK=BLOCK, num_warps=4)
+                                                             BLOCK=BLOCK, num_warps=4,
+                                                             **launch_options(gate_up.device))
     return out.view(*gate_up.shape[:-1], width)
 
 

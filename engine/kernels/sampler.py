@@ -26,6 +26,8 @@ import logging
 import torch
 from torch import Tensor
 
+from engine.kernels import launch_options
+
 log = logging.getLogger("voicelane.kernels.sampler")
 
 try:
@@ -35,6 +37,8 @@ except ImportError as exc:  # CPU-only installs: the PyTorch reference serves, k
     triton, tl = None, None
     _IMPORT_ERROR: str | None = f"triton is not importable: {exc}"
 else:
+    from engine.kernels.gdc import wait_inputs
+
     _IMPORT_ERROR = None
 
 # The launch configuration, chosen by measurement on the H200 (engine.tools.gpu_check_sampler times the variants
@@ -141,7 +145,9 @@ if triton is not None:
     def _sample_rows(logits_ptr, logits_stride, out_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr,
                      counter_ptr, counter_stride, seen_ptr, seen_stride, penalty_ptr, allow_eos_ptr, suppress_ptr,
                      eos_id, scratch_col_ptr, scratch_val_ptr, V,
-                     TALKER: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, DIGIT_BITS: tl.constexpr):
+                     TALKER: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, DIGIT_BITS: tl.constexpr,
+                     GDC: tl.constexpr):
+        wait_inputs(GDC)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         valid = cols < V
@@ -265,7 +271,7 @@ def launch(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, se
     _sample_rows[(B,)](logits, logits.stride(0), out, temperature, top_k, top_p, seed, counter, counter.stride(0),
                        seen, seen_stride, penalty, allow_eos, suppress, eos_id, space[0], space[1], V,
                        TALKER=talker is not None, BLOCK=block, CHUNK=min(block, THREADS_PER_WARP * warps),
-                       DIGIT_BITS=digit_bits or DIGIT_BITS, num_warps=warps)
+                       DIGIT_BITS=digit_bits or DIGIT_BITS, num_warps=warps, **launch_options(logits.device))
     return out
 
 

@@ -273,6 +273,12 @@ def whole_model(bf16, model: str, frames: int, batches: list[int]) -> list[dict]
         rows.append({"check": f"{bf16.dtype} greedy codes, graphs {graphs} vs eager, B{batch} x {frames} frames",
                      "agreement": float((eager == graphed).float().mean()), "ok": same,
                      "seconds": round(time.monotonic() - t0, 1)})
+        if kernels.pdl(torch.device(DEVICE)):  # the same arithmetic in the same order: identical codes
+            with kernels.pdl_mode("off"):
+                serial = greedy_codes(bf16, batch, frames, graphs)
+            rows.append({"check": f"{bf16.dtype} greedy codes, graphs {graphs} with programmatic dependent launch "
+                         f"vs without, B{batch} x {frames} frames", "ok": torch.equal(serial, graphed),
+                         "agreement": float((serial == graphed).float().mean())})
         cached = greedy_codes(bf16, batch, frames, graphs, cached_prefix=True)
         rows.append({"check": f"{bf16.dtype} greedy codes, prefill after a cached prefix vs the whole prompt, "
                      f"graphs {graphs}, B{batch} x {frames} frames (reported: the prefill's shapes differ)",

@@ -9,10 +9,11 @@ the engine runs without the table) are launched back to back over enough copies 
 cache (the model's weights stream from HBM, never from L2), inside one CUDA graph as the engine runs them; the
 time is one launch's share of a replay (median of several). A candidate counts only if its result is as close
 to the float32 reference as cuBLAS's (or within bf16's tolerance). The table keeps, per shape and bucket, the
-fastest kernel config when it beats cuBLAS by at least 3%, else null (cuBLAS).
+fastest correct kernel config, and uses it where it beats cuBLAS by at least 3% (else cuBLAS).
 
-Writes OUT_DIR/linear_tune.json (every measurement) and OUT_DIR/linear_table.json ({gpu name: {key: config}}).
+Writes OUT_DIR/linear_tune.json (every measurement) and OUT_DIR/linear_table.json ({gpu name: {key: entry}}).
 --smoke (tests): tiny shapes, a few candidates, on the CPU through triton's interpreter, no timing.
+--from TUNE_JSON: no measuring; write the table again from a linear_tune.json (e.g. after a format change).
 """
 
 from __future__ import annotations
@@ -116,13 +117,24 @@ def tune_shape(name: str, N: int, K: int, swiglu: bool, rows_list, device, dtype
 
 def pick(row: dict) -> tuple[dict | None, float | None]:
     """(the fastest correct config if it beats cuBLAS by MIN_GAIN, else None; its time)."""
+    best = fastest(row)
+    if best is not None and best["us"] <= row["cublas_us"] * (1 - MIN_GAIN):
+        return best["config"], best["us"]
+    return None, None if best is None else best["us"]
+
+
+def fastest(row: dict) -> dict | None:
+    """The fastest correct candidate of a measured row (None: none was correct, or nothing was timed)."""
     good = [c for c in row["candidates"] if c.get("ok") and c.get("us") is not None]
     if not good or "cublas_us" not in row:
-        return None, None
-    best = min(good, key=lambda c: c["us"])
-    if best["us"] <= row["cublas_us"] * (1 - MIN_GAIN):
-        return best["config"], best["us"]
-    return None, best["us"]
+        return None
+    return min(good, key=lambda c: c["us"])
+
+
+def table_entry(row: dict) -> dict:
+    best = fastest(row)
+    return {"use": "skinny" if pick(row)[0] is not None else "cublas",
+            "skinny": None if best is None else best["config"]}
 
 
 def main(argv=None) -> int:
@@ -131,9 +143,13 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", nargs="+", default=["1.7b", "0.6b"])
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--from", dest="from_json", help="a linear_tune.json: write its table, measure nothing")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        record = json.loads(Path(args.from_json).read_text())
+        return 1 if write(out, record["gpu"], record["dtype"], time.time() - record["seconds"], record["rows"]) else 0
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     gpu = "cpu" if args.smoke else torch.cuda.get_device_name(device)
@@ -157,7 +173,7 @@ def write(out: Path, gpu: str, dtype, t0: float, measured: list[dict]) -> int:
     """Write linear_tune.json and linear_table.json; -> how many shape x rows have no correct candidate."""
     from engine.kernels import linear as kl
 
-    table = {kl.entry_key(r["N"], r["K"], r["swiglu"], r["rows"]): pick(r)[0] for r in measured}
+    table = {kl.entry_key(r["N"], r["K"], r["swiglu"], r["rows"]): table_entry(r) for r in measured}
     failures = [r for r in measured if not any(c.get("ok") for c in r["candidates"])]
     record = {"gpu": gpu, "torch": torch.__version__, "dtype": str(dtype), "seconds": round(time.time() - t0, 1),
               "min_gain": MIN_GAIN, "rows": measured, "failures": len(failures)}
