@@ -118,6 +118,8 @@ class ContextStream:
 
     # ------------------------------------------------------------------ audio out
     async def _run(self, fn, *args):
+        if self.audio.cheap:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def _engine_events(self, engine_running: Callable[[], bool] | None):

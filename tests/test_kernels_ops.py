@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 if os.environ["TRITON_INTERPRET"] != "1":
     pytest.skip("the kernel tests need TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
 
+from engine import kernels  # noqa: E402
 from engine.kernels import attention as ka  # noqa: E402
 from engine.kernels import norm  # noqa: E402
 from engine.model.layers import rope_cos_sin, signed_sin  # noqa: E402
@@ -193,3 +194,21 @@ def test_gpu_check_script_runs_its_kernel_checks_on_the_cpu(tmp_path):
     rows = json.loads((tmp_path / "gpu_check_kernels.json").read_text())["kernels_checked"]
     assert {r["kernel"] for r in rows} == {"add_rms_norm", "swiglu", "qk_norm_rope_store", "cache_attention"}
     assert all(r["ok"] and r["rel_err"] < 4e-3 for r in rows)
+
+
+def test_programmatic_dependent_launch_is_off_by_default_and_refused_where_it_cannot_run(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(kernels.PDL_ENV, raising=False)
+    kernels.reset_pdl()
+    try:
+        assert kernels.launch_options(cpu) == {"GDC": False}
+        assert kernels.kernels_status()["pdl"]["cpu"] == {"enabled": False, "reason": kernels._pdl_devices["cpu"][1]}
+        with kernels.pdl_mode("on"), pytest.raises(kernels.KernelsUnavailable, match="VOICELANE_PDL=on"):
+            kernels.pdl(cpu)  # asked for where it cannot run: an error, never a silent fallback
+        monkeypatch.setenv(kernels.PDL_ENV, "sometimes")
+        kernels.reset_pdl()
+        with pytest.raises(ValueError, match="choose one of off, on"):
+            kernels.pdl(cpu)
+    finally:
+        monkeypatch.delenv(kernels.PDL_ENV, raising=False)
+        kernels.reset_pdl()

@@ -3,12 +3,15 @@ audio stages (silence trimming at every segment start, on synthetic silence + to
 
 from __future__ import annotations
 
+import asyncio
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import opuslib
 import pytest
 
+from engine import AudioChunk, ContextDone
 from engine.model.sampling_params import SamplingParams
 from engine.text.tokenizer import TextTokenizer
 from server.audio import AudioStream, OpusOutput, PcmOutput, open_audio_file
@@ -23,6 +26,7 @@ from server.options import (
     validate_sampling,
 )
 from server.protocol import ProtocolError
+from server.stream import ContextStream
 from server.text.pipeline import TextPipeline, encode_whole
 
 SR = 24000
@@ -165,6 +169,47 @@ def test_http_stream_trims_too():
     body = b"".join(file.body(s.process(c)) for c in chunks(silence_then_tone(0.5, 0.2)))
     body += file.body(s.end_segment()) + file.end(s.close())
     assert len(body) // 2 == pytest.approx(0.22 * SR, abs=48)
+
+
+class CountingExecutor(ThreadPoolExecutor):
+    def __init__(self):
+        super().__init__(max_workers=1)
+        self.calls = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.calls += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+class OneChunkContext:
+    """An engine context that says one audible chunk, then ends."""
+
+    def __init__(self):
+        self.audible = []
+
+    async def events(self):
+        tone = silence_then_tone(0.0, 0.08)
+        yield AudioChunk(pcm=tone, start_sample=0, segment=0, first_frame=0, codes=np.zeros((1, 16), np.int64), cid=1)
+        yield ContextDone("completed", len(tone), cid=1)
+
+    def mark_audible(self, segment):
+        self.audible.append(segment)
+
+
+@pytest.mark.parametrize("output,on_pool", [(lambda: PcmOutput("pcm_s16le", 24000), 0),
+                                            (lambda: PcmOutput("pcm_s16le", 16000), 1), (OpusOutput, 1)])
+def test_native_rate_pcm_is_encoded_on_the_event_loop_and_the_rest_on_the_pool(output, on_pool):
+    """A cast needs no thread hop (two GIL hand-offs under load); resampling and Opus keep the loop free."""
+    pool = CountingExecutor()
+    stream = ContextStream(OneChunkContext(), AudioStream(output(), segment_flush=False), pool)
+
+    async def drain():
+        return [ev async for ev in stream.events()]
+
+    events = asyncio.run(drain())
+    pool.shutdown()
+    assert pool.calls == on_pool and events[-1].done is not None
+    assert sum(p.samples for p in events[0].packets) > 0 and stream.ectx.audible == [0]
 
 
 # ------------------------------------------------------------------------------------------------------ protocol

@@ -10,11 +10,12 @@ beside each one. The model code asks `use_triton(device)` per call:
   in the environment before the kernel modules are first imported (tests compare whole-model outputs this way).
 - VOICELANE_KERNELS=torch forces the PyTorch path everywhere (a GPU baseline).
 
-Programmatic dependent launch (PDL, sm_90 and later; VOICELANE_PDL=auto|on|off): each Triton kernel of the
-hot path is launched while the kernel before it still runs, waits on the device for that kernel's writes
-(engine/kernels/gdc.py) and lets the next one launch in turn, so a CUDA graph's kernels no longer pay launch
-latency and ramp one after another; the skinny GEMM also pulls its weights into L2 before it waits. `pdl(device)`
-says whether launches use it; `kernels_status()` says so (and why not) for /ready.
+Programmatic dependent launch (PDL, sm_90 and later; VOICELANE_PDL=on, off by default): each Triton kernel of
+the hot path is launched while the kernel before it still runs, waits on the device for that kernel's writes
+(engine/kernels/gdc.py) and lets the next one launch in turn; the skinny GEMM also pulls its weights into L2
+before it waits. Off by default because it measured no faster on the H200 (docs/PERFORMANCE.md: the Talker and
+the prefill slower, the Code Predictor within noise). `pdl(device)` says whether launches use it;
+`kernels_status()` says so for /ready.
 
 The kernel modules are imported on first use only, so importing the model never imports triton.
 """
@@ -33,7 +34,7 @@ log = logging.getLogger("voicelane.kernels")
 ENV = "VOICELANE_KERNELS"
 CHOICES = ("auto", "triton", "torch")
 PDL_ENV = "VOICELANE_PDL"
-PDL_CHOICES = ("auto", "on", "off")
+PDL_CHOICES = ("off", "on")
 
 
 class KernelsUnavailable(RuntimeError):
@@ -113,22 +114,20 @@ _pdl_override: str | None = None
 
 
 def _pdl_decision(device: torch.device) -> tuple[bool, str]:
-    """(PDL on, why) for Triton launches on `device`: on where the device can (sm_90+) unless VOICELANE_PDL=off;
-    VOICELANE_PDL=on where it cannot is an error, not a silent fallback."""
-    wanted = _pdl_override or os.environ.get(PDL_ENV, "auto").strip().lower() or "auto"
+    """(PDL on, why) for Triton launches on `device`: off unless VOICELANE_PDL=on, which where the device cannot
+    (before sm_90, the CPU) is an error, not a silent fallback."""
+    wanted = _pdl_override or os.environ.get(PDL_ENV, "off").strip().lower() or "off"
     if wanted not in PDL_CHOICES:
         raise ValueError(f"{PDL_ENV}={wanted!r}: choose one of {', '.join(PDL_CHOICES)}")
     if wanted == "off":
-        return False, f"{PDL_ENV}=off"
+        return False, f"{PDL_ENV}=off (the default: no faster on the H200)"
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         why = "not a CUDA device" if device.type != "cuda" else "triton's interpreter"
     elif torch.cuda.get_device_capability(device) < (9, 0):
         why = f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))} (PDL needs sm_90 or later)"
     else:
-        return True, f"{PDL_ENV}={wanted}: Triton kernels launch as programmatic dependents"
-    if wanted == "on":
-        raise KernelsUnavailable(f"{PDL_ENV}=on, but {why}")
-    return False, why
+        return True, f"{PDL_ENV}=on: Triton kernels launch as programmatic dependents"
+    raise KernelsUnavailable(f"{PDL_ENV}=on, but {why}")
 
 
 def pdl(device: torch.device) -> bool:
@@ -143,6 +142,11 @@ def pdl(device: torch.device) -> bool:
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for a kernel launch with a `GDC` constexpr: PDL on or off for this device."""
     return {"GDC": True, "launch_pdl": True} if pdl(device) else {"GDC": False}
+
+
+def reset_pdl() -> None:
+    """Forget the per-device decisions (after VOICELANE_PDL changed)."""
+    _pdl_devices.clear()
 
 
 @contextlib.contextmanager

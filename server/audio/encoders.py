@@ -9,8 +9,9 @@ decoder clock for Opus, else the output rate); `pre_skip` the Opus decoder's ski
 the listener-timeline end of the audio flushed so far, counting the silence flushes inserted, since it is heard.
 
 These are plain synchronous objects, cheap per 80 ms chunk (well under a millisecond except Opus, about 0.2 ms
-per 20 ms packet): run their calls in a thread pool executor, never on the event loop, one call at a time per
-object, in order.
+per 20 ms packet): run their calls in a thread pool executor, one call at a time per object, in order, except
+where `cheap` says the call is a cast (PCM at the model's rate): that costs less on the event loop than the two
+thread hops, each of which can wait for the GIL under load.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class PcmOutput(_Closable):
     def __init__(self, encoding: str = "pcm_s16le", sample_rate: int = MODEL_RATE) -> None:
         self._pcm = PcmEncoder(encoding, sample_rate, input_rate=MODEL_RATE)
         self.clock_rate = sample_rate
+        self.cheap = sample_rate == MODEL_RATE  # no resampling: a cast of the samples
 
     def _packet(self, data: bytes, start: int) -> list[AudioPacket]:
         return [AudioPacket(data, start, len(data) // self._pcm.bytes_per_sample)] if data else []
@@ -80,6 +82,7 @@ class OpusOutput(_Closable):
     (an Ogg file's final granule)."""
 
     clock_rate = 48000
+    cheap = False
 
     def __init__(self, bitrate: int = 32000, *, complexity: int = 10) -> None:
         self._opus = OpusStreamEncoder(MODEL_RATE, bitrate=bitrate, complexity=complexity)
@@ -112,6 +115,7 @@ class Mp3Output(_Closable):
 
     clock_rate = MODEL_RATE
     pre_skip = 0
+    cheap = False
 
     def __init__(self, bitrate_kbps: int = 64) -> None:
         self._mp3 = Mp3StreamEncoder(MODEL_RATE, bitrate_kbps=bitrate_kbps)

@@ -4,7 +4,8 @@ The segment life cycle (docs/protocol.md 1.7): `process(pcm)` for every engine c
 engine says a segment is done (the trimmer's tail is encoded, the trimmer reset for the next segment and, with
 `segment_flush`, the output flushed so everything so far is decodable: the WebSocket's `flushed` promises that; a
 file has no use for the padding), `close()` at the end of the context. All methods are synchronous and cheap: run
-them in a thread pool executor, one call at a time per object, in order.
+them in a thread pool executor, one call at a time per object, in order (or inline where `cheap`: see
+server/audio/encoders.py).
 
 The listener timeline (what `start_sample`, `flushed.audio_end_ms` and `context.done.audio_ms` count) is the
 output's: trimmed samples never reach it (docs/protocol.md 1.7: `start_sample` counts from the first sample kept).
@@ -32,6 +33,7 @@ class AudioStream:
         self._padding_ms = 0.0  # silence the output's segment flushes added to the listener timeline
         self._segment_start = True
         self._closed = False
+        self.cheap = output.cheap  # trimming (a few numpy passes) and a cast: cheaper inline than on a thread
 
     def _mark(self, packets: list[AudioPacket]) -> list[AudioPacket]:
         if packets and self._segment_start:
