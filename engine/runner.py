@@ -93,24 +93,37 @@ class BadStepInput(ValueError):
     """--debug-sync: a row's device state is out of range for the step about to read it (named, row by row)."""
 
 
-@dataclass
 class _SlotSampling:
-    """Sampling settings of every slot, on the device, indexed by slot."""
+    """Sampling settings of every slot, on the device, indexed by slot: two tables, so a prefill loads a row's
+    settings with two scatters, not eight."""
 
-    temperature: Tensor  # [S] float32 (Talker)
-    top_k: Tensor  # [S] int64
-    top_p: Tensor  # [S] float32
-    sub_temperature: Tensor  # [S] float32 (Code Predictor)
-    sub_top_k: Tensor  # [S] int64
-    sub_top_p: Tensor  # [S] float32
-    seed: Tensor  # [S] int64
-    penalty: Tensor  # [S] float32
+    FLOATS = ("temperature", "top_p", "sub_temperature", "sub_top_p", "repetition_penalty")  # SamplingParams'
+    INTS = ("top_k", "sub_top_k", "seed")
 
+    def __init__(self, slots: int, device: torch.device):
+        self.floats = torch.zeros(slots, len(self.FLOATS), dtype=torch.float32, device=device)  # [S, 5]
+        self.ints = torch.zeros(slots, len(self.INTS), dtype=torch.int64, device=device)  # [S, 3]
+
+    @classmethod
+    def rows(cls, params: list) -> tuple[Tensor, Tensor]:
+        """The host rows of these SamplingParams: float32 [B, 5], int64 [B, 3]."""
+        return (torch.tensor([[getattr(p, f) for f in cls.FLOATS] for p in params], dtype=torch.float32),
+                torch.tensor([[getattr(p, f) for f in cls.INTS] for p in params], dtype=torch.int64))
+
+    def load(self, slots: Tensor, floats: Tensor, ints: Tensor) -> None:
+        self.floats[slots], self.ints[slots] = floats, ints
+
+    # Each setting gathered on its own: the sampler kernel reads contiguous [B] columns.
     def talker(self, slots: Tensor) -> SamplerRows:
-        return SamplerRows(self.temperature[slots], self.top_k[slots], self.top_p[slots], self.seed[slots])
+        f, i = self.floats, self.ints
+        return SamplerRows(f[slots, 0], i[slots, 0], f[slots, 1], i[slots, 2])
 
     def code_predictor(self, slots: Tensor) -> SamplerRows:
-        return SamplerRows(self.sub_temperature[slots], self.sub_top_k[slots], self.sub_top_p[slots], self.seed[slots])
+        f, i = self.floats, self.ints
+        return SamplerRows(f[slots, 2], i[slots, 1], f[slots, 3], i[slots, 2])
+
+    def penalty(self, slots: Tensor) -> Tensor:
+        return self.floats[slots, 4]
 
 
 @dataclass
@@ -144,13 +157,7 @@ class Runner:
         self.position = torch.zeros(S, dtype=torch.int64, device=dev)  # next Talker position
         self.host_position = [0] * S  # the same, known on the host without a sync (sizes attention spans)
 
-        def zeros(dtype):
-            return torch.zeros(S, dtype=dtype, device=dev)
-
-        f32, i64 = torch.float32, torch.int64
-        self.sampling = _SlotSampling(temperature=zeros(f32), top_k=zeros(i64), top_p=zeros(f32),
-                                      sub_temperature=zeros(f32), sub_top_k=zeros(i64), sub_top_p=zeros(f32),
-                                      seed=zeros(i64), penalty=zeros(f32))
+        self.sampling = _SlotSampling(S, dev)
         self.codec_state = self.codec.new_stream_state(S, dev, self.dtype)
         self.faults: dict[int, tuple[str, int]] = {}  # cid -> ("exception" | "nan", code-0 index), test hook
         self.kv_bytes = self.kv.bytes
@@ -279,9 +286,6 @@ class Runner:
             raise BadStepInput(f"{stage} step input out of range: " + " | ".join(bad))
 
     # ------------------------------------------------------------------ stages
-    def _slots(self, rows: list[RowPlan]) -> Tensor:
-        return self._column([r.slot for r in rows], torch.int64)
-
     def _column(self, values: list, dtype: torch.dtype) -> Tensor:
         return self._upload(torch.tensor(values, dtype=dtype))
 
@@ -291,6 +295,22 @@ class Runner:
         if self.device.type != "cuda":
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _upload_all(self, *hosts: Tensor) -> list[Tensor]:
+        """Several host tensors -> device tensors of the same dtypes and shapes, through one pinned buffer and one
+        copy: each upload costs the host tens of microseconds, on a newcomer's path to first audio. Each tensor
+        starts 8-byte aligned in the buffer, so its bytes view as its dtype on the device."""
+        sizes = [h.numel() * h.element_size() for h in hosts]
+        offsets = [sum(-(-n // 8) * 8 for n in sizes[:i]) for i in range(len(hosts))]
+        packed = torch.empty(offsets[-1] + -(-sizes[-1] // 8) * 8, dtype=torch.uint8)
+        for h, at, n in zip(hosts, offsets, sizes, strict=True):
+            packed[at:at + n] = h.contiguous().view(-1).view(torch.uint8)
+        device = self._upload(packed)
+        return [device[at:at + n].view(h.dtype).view(h.shape) for h, at, n in zip(hosts, offsets, sizes, strict=True)]
+
+    @staticmethod
+    def _ints(values: list) -> Tensor:
+        return torch.tensor(values, dtype=torch.int64)
 
     def _inject(self, rows: list[RowPlan], code0_index: list[int], logits: Tensor | None = None) -> None:
         """Test-only faults: before the model runs, raise for "exception" faults; once logits exist, poison the
@@ -319,7 +339,6 @@ class Runner:
 
     def _prefill(self, rows: list[RowPlan]) -> StepOutputs:
         self._inject(rows, [0] * len(rows))
-        slots = self._slots(rows)
         lengths = [len(r.prompt) for r in rows]
         L = max(lengths)
         if L + self.cfg.max_frames + 1 > self.kv.max_len:
@@ -331,10 +350,11 @@ class Runner:
         for i, (r, start) in enumerate(zip(rows, starts, strict=True)):
             text[i, : lengths[i] - start] = torch.tensor(r.prompt.text_track[start:])
             codec[i, : lengths[i] - start] = torch.tensor(r.prompt.codec_track[start:])
-        self._load_sampling(rows, slots)
-        text, codec = self._upload(text), self._upload(codec)
-        start, length = self._column(starts, torch.int64), self._column(lengths, torch.int64)
-        allow_eos = self._column([r.eos_allowed for r in rows], torch.bool)
+        floats, ints = _SlotSampling.rows([r.sampling for r in rows])
+        slots, text, codec, start, length, allow_eos, floats, ints = self._upload_all(
+            self._ints([r.slot for r in rows]), text, codec, self._ints(starts), self._ints(lengths),
+            torch.tensor([r.eos_allowed for r in rows]), floats, ints)
+        self.sampling.load(slots, floats, ints)
         kv_len = min(max(starts) + T, self.kv.max_len)
         hidden, logits, code0 = self._graph_or_eager(
             rows, lambda: self.graphs.prefill(slots, text, codec, start, length, allow_eos, max(starts)),
@@ -376,17 +396,8 @@ class Runner:
 
         self.prefix_cache.keep([r.prompt for r in rows], starts, copy)
 
-    def _load_sampling(self, rows: list[RowPlan], slots: Tensor) -> None:
-        s = self.sampling
-        ps = [r.sampling for r in rows]
-        for target, values in ((s.temperature, [p.temperature for p in ps]), (s.top_k, [p.top_k for p in ps]),
-                               (s.top_p, [p.top_p for p in ps]), (s.sub_temperature, [p.sub_temperature for p in ps]),
-                               (s.sub_top_k, [p.sub_top_k for p in ps]), (s.sub_top_p, [p.sub_top_p for p in ps]),
-                               (s.seed, [p.seed for p in ps]), (s.penalty, [p.repetition_penalty for p in ps])):
-            target[slots] = self._column(values, target.dtype)
-
     def sample_code0(self, slots: Tensor, logits: Tensor, frame: Tensor, allow_eos: Tensor) -> Tensor:
-        return self.model.choose_code0(logits, self.sampling.talker(slots), self.sampling.penalty[slots],
+        return self.model.choose_code0(logits, self.sampling.talker(slots), self.sampling.penalty(slots),
                                        self.seen[slots], allow_eos, frame)
 
     # Pure step functions over static-shaped tensors: run eagerly, or captured once per bucket by StageGraphs.
@@ -429,8 +440,7 @@ class Runner:
         return (self.codec.decode_stream(codes.transpose(1, 2), self.codec_state, slots),)
 
     def _code_predictor(self, rows: list[RowPlan]) -> StepOutputs:
-        slots = self._slots(rows)
-        frame = self._column([r.frame for r in rows], torch.int64)
+        slots, frame = self._upload_all(self._ints([r.slot for r in rows]), self._ints([r.frame for r in rows]))
         (rest,) = self._graph_or_eager(rows, lambda: self.graphs.code_predictor(slots, frame),
                                        lambda: self.code_predictor_step(slots, frame))
         self.rest[slots] = rest
@@ -439,10 +449,9 @@ class Runner:
 
     def _talker(self, rows: list[RowPlan]) -> StepOutputs:
         self._inject(rows, [r.frame + 1 for r in rows])
-        slots = self._slots(rows)
-        text = self._column([r.text_id for r in rows], torch.int64)
-        frame = self._column([r.frame + 1 for r in rows], torch.int64)
-        allow_eos = self._column([r.eos_allowed for r in rows], torch.bool)
+        slots, text, frame, allow_eos = self._upload_all(
+            self._ints([r.slot for r in rows]), self._ints([r.text_id for r in rows]),
+            self._ints([r.frame + 1 for r in rows]), torch.tensor([r.eos_allowed for r in rows]))
         kv_len = max(self.host_position[r.slot] for r in rows) + 1
         hidden, logits, code0 = self._graph_or_eager(
             rows, lambda: self.graphs.talker(slots, text, frame, allow_eos, kv_len),
@@ -456,8 +465,7 @@ class Runner:
 
     def _codec(self, rows: list[RowPlan]) -> StepOutputs:
         chunk = rows[0].chunk
-        slots = self._slots(rows)
-        first = self._column([r.frame for r in rows], torch.int64)
+        slots, first = self._upload_all(self._ints([r.slot for r in rows]), self._ints([r.frame for r in rows]))
         index = first[:, None] + torch.arange(chunk, device=self.device)  # [B, chunk]
         codes = self.frames[slots[:, None], index]  # [B, chunk, 16]
         (pcm,) = self._graph_or_eager(rows, lambda: self.graphs.codec(slots, codes),

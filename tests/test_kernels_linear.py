@@ -112,7 +112,7 @@ def test_tuner_smoke_writes_a_table_of_every_shape(tmp_path):
     distinct = {(N, K, sw) for _, N, K, sw in shapes("tiny")}
     assert len(record["rows"]) == 2 * len(distinct) and record["failures"] == 0
     assert set(table) == {kl.entry_key(N, K, sw, r) for N, K, sw in distinct for r in (1, 3)}
-    assert all(e["use"] in ("skinny", "cublas") and e["skinny"] is not None for e in table.values())
+    assert all(e == {"use": "cublas", "skinny": None} for e in table.values())  # --smoke times nothing
     assert all(c["ok"] for row in record["rows"] for c in row["candidates"])
 
 

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels import launch_options
 from engine.kernels.gdc import wait_inputs
+from engine.kernels.pdl import launch_options
 from engine.model.attention_ops import apply_rope, attention
 
 

@@ -34,10 +34,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels import launch_options
 from engine.kernels.gdc import L2_LINE_BYTES, prefetch_l2, wait_inputs
 from engine.kernels.norm import swiglu as swiglu_kernel
 from engine.kernels.norm import swiglu_reference
+from engine.kernels.pdl import launch_options
 
 log = logging.getLogger("voicelane.kernels.linear")
 

@@ -26,7 +26,7 @@ import logging
 import torch
 from torch import Tensor
 
-from engine.kernels import launch_options
+from engine.kernels.pdl import launch_options
 
 log = logging.getLogger("voicelane.kernels.sampler")
 
