@@ -575,7 +575,7 @@ class PointRun:
         out = {"config": asdict(c), "summary": summary, "client": client,
                "server_first_audio": server_first_audio.window_breakdown(
                    self.scrapes.get("start"), self.scrapes.get("end"), c.workload,
-                   summary["latency_ms"]["audible_ttfa_ms"])}
+                   server_first_audio.client_ttfa(measured))}
         if c.workload == "w3":
             cancelled = [r for r in measured if r["status"] == "cancelled"]
             out["barge_in"] = {

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench.server_first_audio import PHASES, Histogram, breakdown, table, window_breakdown
+from bench.server_first_audio import PHASES, Histogram, breakdown, client_ttfa, table, window_breakdown
 from server.metrics import FIRST_AUDIO_PHASES
 
 BOUNDS = (0.001, 0.002, 0.004, math.inf)
@@ -50,7 +50,11 @@ def test_breakdown_is_the_difference_of_the_two_scrapes():
     end = exposition({("http", "queue"): ([1, 4, 6, 0], 0.0255), ("http", "server_in"): ([10, 0, 0, 0], 0.002),
                       ("ws", "queue"): ([0, 0, 0, 9], 19.0)},
                      ttfa=([0, 0, 11, 0], 0.033))
-    out = breakdown(start, end, "http", {"p50": 12.0, "mean": 5.0})
+    client = client_ttfa([{"status": "ok", "audible_ttfa_ms": 12.0}, {"status": "ok", "audible_ttfa_ms": 2.0},
+                          {"status": "ok", "audible_ttfa_ms": math.inf}, {"status": "refused"},
+                          {"status": "cancelled", "audible_ttfa_ms": 1.0}])
+    assert client == {"count": 3, "p50": 2.0, "mean": 5.0}  # the heard requests only: the server saw no others
+    out = breakdown(start, end, "http", client)
     assert list(out["phases_ms"]) == ["server_in", "queue"]  # the server's order, the other transport left out
     queue = out["phases_ms"]["queue"]
     assert queue["count"] == 10 and queue["mean"] == pytest.approx(2.5)  # (25.5 - 0.5) ms / 10: the sums, exact
@@ -59,7 +63,7 @@ def test_breakdown_is_the_difference_of_the_two_scrapes():
     assert out["phases_ms"]["server_in"]["p50"] == pytest.approx(0.5)  # never seen at the start: all of it counts
     ttfa = out["ttfa_ms"]
     assert ttfa["count"] == 10 and ttfa["mean"] == pytest.approx(3.0) and ttfa["p50"] == pytest.approx(3.0)
-    assert out["client_minus_server_ms"] == {"p50": pytest.approx(9.0), "mean": pytest.approx(2.0)}
+    assert out["client_minus_server_ms"] == {"p50": pytest.approx(-1.0), "mean": pytest.approx(2.0)}
     assert "queue" in table(out) and "= server TTFA" in table(out)
 
 
