@@ -39,7 +39,7 @@ FIRST_AUDIO_PHASES = (
     "cp_to_codec",  # -> its first codec chunk planned
     "codec_to_collect",  # -> that chunk's audio collected on the engine thread
     "deliver",  # -> the event loop took it
-    "encode",  # -> the first packets ready (trim + encode, with the hop to the encoder thread and back)
+    "encode",  # -> the first packets ready (trim + encode, with the hop to the encoder pool where it runs there)
     "send",  # -> handed to the socket (WebSocket) or to the ASGI send (HTTP)
 )
 ENGINE_STEP_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, math.inf)  # StageStats.BUCKETS_S
