@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from bench import metrics
+from bench import metrics, server_first_audio
 from bench.prompts import SENTENCES, PromptStream
 from bench.report import environment, fmt_ms, load_report, write_report
 from bench.schedule import STREAM_WORKLOAD, make_schedule, rng
@@ -204,6 +204,8 @@ class PointRun:
         self.frames_per_word = 0
         self.sessions_opened = 0
         self.t_start = 0.0
+        # the server's /metrics when the measured window starts and ends (text, or why the scrape failed)
+        self.scrapes: dict[str, str | Exception] = {}
 
     # ---- bookkeeping -------------------------------------------------------------------------------------
     def phase(self, offset: float) -> str:
@@ -269,6 +271,12 @@ class PointRun:
             if a <= t < b:
                 self.st.lags.append(t2 - t - 0.005)
             self._check_done()
+
+    async def _scrape_window(self) -> None:
+        """The server's /metrics at the window's start and end: its first-audio histograms over the window."""
+        for name, at in zip(("start", "end"), self.window_bounds, strict=True):
+            await sleep_until(at)
+            self.scrapes[name] = await server_first_audio.scrape(self.cfg.url)
 
     # ---- W1 ------------------------------------------------------------------------------------------------
     async def w1(self, rec: dict, text: str) -> None:
@@ -474,6 +482,7 @@ class PointRun:
             self.pool = SessionPool(ws_url(c.url), c.contexts_per_socket, c.api_key)
         self.t_start = now() + 0.1
         monitor = asyncio.ensure_future(self._monitor())
+        scraper = asyncio.ensure_future(self._scrape_window())
         try:
             if c.workload == "w3":
                 await self._drive_w3(horizon, tasks)
@@ -484,8 +493,10 @@ class PointRun:
             for t in list(tasks):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.wait({scraper}, timeout=max(0.0, self.window_bounds[1] - now()) + 10.0)
         finally:
             monitor.cancel()
+            scraper.cancel()
             if self.http is not None:
                 await self.http.aclose()
             if self.pool is not None:
@@ -561,7 +572,10 @@ class PointRun:
             "requests_by_phase": {ph: sum(1 for r in self.records if r["phase"] == ph)
                                   for ph in ("warmup", "measured", "cooldown")},
         }
-        out = {"config": asdict(c), "summary": summary, "client": client}
+        out = {"config": asdict(c), "summary": summary, "client": client,
+               "server_first_audio": server_first_audio.window_breakdown(
+                   self.scrapes.get("start"), self.scrapes.get("end"), c.workload,
+                   server_first_audio.client_ttfa(measured))}
         if c.workload == "w3":
             cancelled = [r for r in measured if r["status"] == "cancelled"]
             out["barge_in"] = {
@@ -728,6 +742,7 @@ def main(argv: list[str] | None = None) -> int:
                     p["vs_official"] = compare_to_baseline(p["summary"], baseline)
                 report["points"].append(p)
                 print(point_line(p), file=sys.stderr)
+                print(server_first_audio.table(p["server_first_audio"]), file=sys.stderr)
                 write_report(report, args.out)
 
         run_loop(go())

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import torch
 
@@ -123,10 +124,14 @@ class EngineContext:
             if isinstance(event, ContextDone):
                 return
 
-    def _push(self, events: list[EngineEvent]) -> None:
+    def _push(self, events: list[EngineEvent], handed: float | None = None) -> None:
+        """On the event loop: queue events the engine thread handed over at `handed` (time.monotonic())."""
+        received = time.monotonic()
         for e in events:
             if isinstance(e, AudioChunk):
                 self.backlog_samples += len(e.pcm)
+                if e.first_audio is not None:  # a segment's first audio: its trip to the loop is part of its TTFA
+                    e = replace(e, first_audio=replace(e.first_audio, handed=handed, received=received))
             self._queue.put_nowait(e)
 
 
@@ -295,8 +300,9 @@ class Engine:
                 ctx.ended = True
                 self.runner.faults.pop(e.cid, None)
                 del self.contexts[e.cid]
+        handed = time.monotonic()
         for ctx, batch in routed.values():
-            ctx._loop.call_soon_threadsafe(ctx._push, batch)
+            ctx._loop.call_soon_threadsafe(ctx._push, batch, handed)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:

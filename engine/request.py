@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.model.prompt import Prompt, Voice
 from engine.model.sampling_params import SamplingParams
+from engine.types import FirstAudioTimes
 
 FRAME_S = 0.08  # one frame = 80 ms of audio
 
@@ -87,6 +88,10 @@ class Request:
     finish_reason: str = "completed"
     frames_emitted: int = 0
     first_audio_at: float | None = None
+    # when the steps of the first audio were planned (FirstAudioTimes)
+    prefill_planned_at: float | None = None
+    code_predictor_planned_at: float | None = None  # frame 0
+    codec_planned_at: float | None = None  # the first chunk
     newcomer: bool = True  # at its first text the listener had nothing left to play: it waits for this segment
     audible_at: float | None = None  # when the consumer reported the segment's first audible audio
     done: bool = False
@@ -104,3 +109,9 @@ class Request:
     @property
     def generating(self) -> bool:
         return self.stop_at is None
+
+    def first_audio_times(self, collected: float) -> FirstAudioTimes:
+        """The record of the segment's first audio, collected now (every step before it has been planned)."""
+        return FirstAudioTimes(arrival=self.arrival, prefill_planned=self.prefill_planned_at,
+                               code_predictor_planned=self.code_predictor_planned_at,
+                               codec_planned=self.codec_planned_at, collected=collected)

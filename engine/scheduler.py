@@ -351,13 +351,15 @@ class Scheduler:
         if stage == Stage.PREFILL:
             text = r.text_ids if r.layout == "whole" else r.text_ids[:1]
             r.prompt = build_prompt(self.model_cfg, r.context.voice, text, r.layout, r.context.instruction)
-            r.prefilled, r.code0_made = True, 1
+            r.prefilled, r.code0_made, r.prefill_planned_at = True, 1, now
             self._trace(r.context.cid, "prefill", now, segment=r.segment)
             return RowPlan(r.rid, r.context.cid, r.slot, 0, prompt=r.prompt, sampling=r.sampling,
                            eos_allowed=self._eos_allowed(r, 0))
         if stage == Stage.CODE_PREDICTOR:
             s = r.frames_made
             r.frames_made += 1
+            if s == 0:
+                r.code_predictor_planned_at = now
             if r.frames_made >= r.sampling.max_frames:
                 self._stop(r, r.frames_made, "max_frames")
             self._apply_bench_length(r)
@@ -370,6 +372,8 @@ class Scheduler:
         first = r.frames_decoded
         r.frames_decoded += chunk
         r.chunks += 1
+        if first == 0:
+            r.codec_planned_at = now
         return RowPlan(r.rid, r.context.cid, r.slot, first, chunk=chunk)
 
     def _stop(self, r: Request, frames: int, reason: str) -> None:
@@ -409,10 +413,11 @@ class Scheduler:
     def _emit_audio(self, r: Request, pcm, codes, now: float) -> None:
         ctx = r.context
         frames = codes.shape[0]
+        first = r.first_audio_at is None
         self.outbox.append(AudioChunk(pcm=np.asarray(pcm, dtype=np.float32), start_sample=ctx.audio_samples,
                                       segment=r.segment, first_frame=r.frames_emitted, codes=np.asarray(codes),
-                                      cid=ctx.cid))
-        if r.first_audio_at is None:
+                                      cid=ctx.cid, first_audio=r.first_audio_times(now) if first else None))
+        if first:
             r.first_audio_at = now
             self._trace(ctx.cid, "first_audio", now, segment=r.segment)
         r.frames_emitted += frames

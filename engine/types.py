@@ -93,6 +93,22 @@ class StageResult:
 
 # ---------------------------------------------------------------------------------------------- events
 @dataclass(frozen=True)
+class FirstAudioTimes:
+    """Where a segment's first audio was when, on the engine's clock (time.monotonic(), the scheduler's `now`):
+    the points that cut its time to first audio into phases (the server's voicelane_first_audio_phase_seconds).
+    Only a segment's first AudioChunk carries one. The scheduler fills the engine thread's points; the engine adds
+    the hand-off to the event loop and its receipt there (EngineContext._push)."""
+
+    arrival: float  # the segment's first text reached the scheduler (Request.arrival)
+    prefill_planned: float  # the step holding its PREFILL row was planned
+    code_predictor_planned: float  # ... its CODE_PREDICTOR row for frame 0
+    codec_planned: float  # ... its first CODEC chunk
+    collected: float  # that chunk's audio was collected on the engine thread (Request.first_audio_at)
+    handed: float | None = None  # Engine._deliver handed it to the event loop (engine thread)
+    received: float | None = None  # the event loop took it into the context's queue
+
+
+@dataclass(frozen=True)
 class AudioChunk:
     """Audio of one codec chunk of one segment."""
 
@@ -102,6 +118,7 @@ class AudioChunk:
     first_frame: int  # frame index within the segment of pcm[0]
     codes: np.ndarray  # int64 [frames, 16]: the codes this audio was decoded from
     cid: int = 0  # engine context id (1, 2, ...): which EngineContext's queue the event goes to
+    first_audio: FirstAudioTimes | None = None  # the segment's first chunk only: when it passed each point
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ engine series (queue depth, batch sizes, step times per stage, slots, the prompt
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator
 
@@ -14,7 +15,7 @@ import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from engine import EngineStats
+from engine import EngineStats, FirstAudioTimes
 
 # The hand-written exposition this replaced never had `*_created` series; dashboards and alerts know the names it
 # had, so the library is told not to add them (its documented switch; it reads this when it collects).
@@ -22,8 +23,25 @@ prometheus_client.disable_created_metrics()
 
 # generate_latest writes the 0.0.4 text format whatever the library's newest negotiated format is.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-TTFA_BUCKETS_S = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
-                  2.0, 5.0)
+# 1 ms steps to 30 ms: the targets are 10-20 ms, and the load generator compares the server's p50 with the
+# client's to the ms (the 5 ms steps before kept every bound they had, so old queries still find theirs).
+TTFA_BUCKETS_S = (*(i / 1000 for i in range(1, 31)), 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0,
+                  5.0)
+# A first-audio phase lasts from microseconds to a few ms: 0.25 ms steps to 5 ms, 1 ms steps to 20 ms, then coarser.
+FIRST_AUDIO_PHASE_BUCKETS_S = (*(round(i * 0.00025, 5) for i in range(1, 21)), *(i / 1000 for i in range(6, 21)),
+                               0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
+# The phases of a context's server-side TTFA, in order: each runs from the point before to its own point (the
+# first from the TTFA's start), so they sum to the TTFA. docs/benchmarks/README.md, "Where first audio goes".
+FIRST_AUDIO_PHASES = (
+    "server_in",  # the TTFA's start (HTTP: the request; WebSocket: the context's first text) -> the engine has it
+    "queue",  # -> the segment's prefill planned
+    "prefill_to_cp",  # -> its Code Predictor step for frame 0 planned
+    "cp_to_codec",  # -> its first codec chunk planned
+    "codec_to_collect",  # -> that chunk's audio collected on the engine thread
+    "deliver",  # -> the event loop took it
+    "encode",  # -> the first packets ready (trim + encode, with the hop to the encoder pool where it runs there)
+    "send",  # -> handed to the socket (WebSocket) or to the ASGI send (HTTP)
+)
 ENGINE_STEP_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, math.inf)  # StageStats.BUCKETS_S
 
 
@@ -72,6 +90,23 @@ class Histogram(_Series):
         self._child(labels).observe(value)
 
 
+def first_audio_phases(start: float, times: FirstAudioTimes, packets_at: float | None,
+                       sent: float) -> dict[str, float]:
+    """A context's server-side TTFA (start -> sent, time.monotonic()) cut into FIRST_AUDIO_PHASES at the engine's
+    points (`times`) and the first packets' readiness (`packets_at`), seconds; they sum to sent - start. When the
+    first bytes sent carried no packet (a WAV header) the encode phase runs to the send."""
+    ready = sent if packets_at is None else min(packets_at, sent)
+    received = times.collected if times.received is None else times.received
+    points = (start, times.arrival, times.prefill_planned, times.code_predictor_planned, times.codec_planned,
+              times.collected, received, ready, sent)
+    return {name: b - a for name, (a, b) in zip(FIRST_AUDIO_PHASES, itertools.pairwise(points), strict=True)}
+
+
+def phases_text(phases: dict[str, float]) -> str:
+    """The phases for a log line, ms with 2 decimals ("" without them)."""
+    return "; first audio ms: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in phases.items()) if phases else ""
+
+
 class _Scrape:
     """What one scrape exposes: the server's own registry, then the families known only at scrape time."""
 
@@ -89,6 +124,10 @@ class ServerMetrics:
         self.registry = r = prometheus_client.CollectorRegistry(auto_describe=False)
         self.ttfa = Histogram(r, "voicelane_ttfa_seconds", "Server-side time to first audio: a context's first text "
                               "(HTTP: the request) to its first audio handed to the socket", ("transport",))
+        self.first_audio_phase = Histogram(r, "voicelane_first_audio_phase_seconds", "Server-side time to first "
+                                           "audio, phase by phase (they sum to voicelane_ttfa_seconds): server_in, "
+                                           "queue, prefill_to_cp, cp_to_codec, codec_to_collect, deliver, encode, "
+                                           "send", ("transport", "phase"), buckets=FIRST_AUDIO_PHASE_BUCKETS_S)
         self.active_contexts = Gauge(r, "voicelane_active_contexts", "Contexts open now", ("transport",))
         self.sessions = Gauge(r, "voicelane_ws_sessions", "WebSocket sessions open now")
         self.contexts = Counter(r, "voicelane_contexts_total", "Contexts ended, by how", ("transport", "reason"))
@@ -107,6 +146,18 @@ class ServerMetrics:
         self._sessions_total_registry = prometheus_client.CollectorRegistry(auto_describe=False)
         self.sessions_total = Counter(self._sessions_total_registry, "voicelane_ws_sessions_total",
                                       "WebSocket sessions, by how they closed", ("close_code",))
+
+    def observe_first_audio(self, transport: str, start: float, sent: float, times: FirstAudioTimes | None,
+                            packets_at: float | None) -> dict[str, float]:
+        """A context's first audio was handed to its socket at `sent`: its server-side TTFA and, with the engine's
+        record of it (`times`), its phases (returned, for the request's log line; empty without a record)."""
+        self.ttfa.observe(transport, value=sent - start)
+        if times is None:
+            return {}
+        phases = first_audio_phases(start, times, packets_at, sent)
+        for phase, seconds in phases.items():
+            self.first_audio_phase.observe(transport, phase, value=seconds)
+        return phases
 
     def render(self, engine_stats: EngineStats | None, info: dict, readiness: dict | None) -> str:
         info_family = GaugeMetricFamily("voicelane_info", "The served model", labels=list(info))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
@@ -27,7 +28,7 @@ from server.protocol import ProtocolError
 from server.text import TextPipeline
 
 if TYPE_CHECKING:
-    from engine import Engine, EngineContext, ModelInfo, TextTokenizer
+    from engine import Engine, EngineContext, FirstAudioTimes, ModelInfo, TextTokenizer
 
 ENGINE_CHECK_S = 2.0
 NO_INSTRUCTIONS = ("instructions are not supported by this model (0.6B); drop 'instructions' or serve the 1.7B "
@@ -62,6 +63,8 @@ class ContextStream:
         self.last_segment = -1  # index of the last segment ended by a flush or the close
         self.final_segment: int | None = None
         self.segments_done = 0  # segments whose audio (and output flush) has been handed out
+        self.first_audio: FirstAudioTimes | None = None  # the engine's record of the context's first audio
+        self.first_packets_at: float | None = None  # when its first encoded packets were ready (time.monotonic())
 
     @classmethod
     def open(cls, engine: Engine, opts: ContextOptions, instruction_ids: list[int] | None, audio: AudioStream,
@@ -149,7 +152,10 @@ class ContextStream:
                 self.generated_samples += len(ev.pcm)
                 self.frames += int(ev.codes.shape[0])
                 self.codes.update(ev.codes.astype("<i8", copy=False).tobytes())
+                self.first_audio = self.first_audio or ev.first_audio
                 packets = await self._run(self.audio.process, ev.pcm)
+                if packets and self.first_packets_at is None:
+                    self.first_packets_at = time.monotonic()
                 if self.audio.onset_passed:  # the onset: the segment's first-audio priority ends
                     self.ectx.mark_audible(ev.segment)
                 yield StreamEvent(packets)

@@ -15,6 +15,7 @@ from live_server import live_server
 
 from bench.loadgen import PointConfig, probe_server, run_point
 from bench.prompts import SENTENCES
+from bench.server_first_audio import PHASES
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,12 @@ def _check(point: dict, frames_per_word: int, max_frames: int = 64) -> None:
     lat = s["latency_ms"]
     assert lat["audible_ttfa_ms"]["n"] == 2 and lat["audible_ttfa_ms"]["n_inf"] == 0
     assert s["peak_in_flight"] >= 1
+    # the server's /metrics over the window: the contexts whose first audio went out in it, phase by phase
+    server = point["server_first_audio"]
+    assert "error" not in server, server
+    assert server["ttfa_ms"]["count"] >= 1 and list(server["phases_ms"]) == list(PHASES)
+    assert {p["count"] for p in server["phases_ms"].values()} == {server["ttfa_ms"]["count"]}
+    assert sum(p["mean"] for p in server["phases_ms"].values()) == pytest.approx(server["ttfa_ms"]["mean"], abs=0.01)
 
 
 def test_live_w1_http(server):

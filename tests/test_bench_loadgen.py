@@ -32,10 +32,32 @@ def _audio(packets: int = 3) -> list[bytes]:
     return [pcm[k * 2 * PACKET : (k + 1) * 2 * PACKET] for k in range(packets)]
 
 
+ANSWERED = [0]  # speech requests the HTTP fake has answered with audio (all tests)
+
+
+def _fake_metrics() -> bytes:
+    """/metrics of the HTTP fake: each request answered had a 10 ms TTFA, 4 ms of it queue and 6 ms send."""
+    n, lines = ANSWERED[0], []
+    families = {"voicelane_ttfa_seconds": [('transport="http"', 0.010)],
+                "voicelane_first_audio_phase_seconds": [('phase="queue",transport="http"', 0.004),
+                                                        ('phase="send",transport="http"', 0.006)]}
+    for name, series in families.items():
+        lines.append(f"# TYPE {name} histogram")
+        for labels, seconds in series:
+            lines += [f'{name}_bucket{{{labels},le="{seconds}"}} {n}', f'{name}_bucket{{{labels},le="+Inf"}} {n}',
+                      f"{name}_count{{{labels}}} {n}", f"{name}_sum{{{labels}}} {n * seconds}"]
+    text = ("\n".join(lines) + "\n").encode()
+    return b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s" % (len(text), text)
+
+
 async def _http_fake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"GET /metrics "):
+                writer.write(_fake_metrics())
+                await writer.drain()
+                continue
             headers = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:] if ": " in line)
             length = int({k.lower(): v for k, v in headers.items()}.get("content-length", 0))
             body = json.loads(await reader.readexactly(length))
@@ -47,6 +69,7 @@ async def _http_fake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter)
                              b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(msg), msg))
                 await writer.drain()
                 continue
+            ANSWERED[0] += 1
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: audio/pcm\r\nx-sample-rate: 24000\r\n"
                          b"Transfer-Encoding: chunked\r\n\r\n")
             for k, chunk in enumerate(_audio()):
@@ -193,6 +216,14 @@ def test_w1_http_against_a_fake_server():
     assert all(r["http_status"] == (503 if r["words"] == REFUSE_WORDS else 200) for r in recs)
     assert [r["prompt"] for r in point["requests"][:3]] == [SENTENCES.index(s) for s in
                                                             __import__("bench.prompts").prompts.prompt_sequence(0, 3)]
+    # the fake's /metrics at the window's start and end: the requests answered between them, 10 ms each
+    server = point["server_first_audio"]
+    assert server["transport"] == "http" and 1 <= server["ttfa_ms"]["count"] <= len(recs)
+    assert server["ttfa_ms"]["mean"] == pytest.approx(10.0) and list(server["phases_ms"]) == ["queue", "send"]
+    assert server["phases_ms"]["queue"]["mean"] == pytest.approx(4.0)
+    heard = [r["audible_ttfa_ms"] for r in recs if r["status"] == "ok"]
+    assert server["client_audible_ttfa_ms"]["count"] == len(heard)  # the refused requests left out
+    assert server["client_minus_server_ms"]["mean"] == pytest.approx(np.mean(heard) - 10.0)
 
 
 def test_w2_websocket_word_by_word_against_a_fake_server():
@@ -207,6 +238,7 @@ def test_w2_websocket_word_by_word_against_a_fake_server():
 
     point = asyncio.run(go())
     _check_point(point, _measured_prompts(0, 8.0, 0.3, 1.5))
+    assert "/metrics at the window's start" in point["server_first_audio"]["error"]  # the fake has none
     # one word and its trailing space per text message
     for r in point["requests"]:
         text = SENTENCES[r["prompt"]]

@@ -1,10 +1,11 @@
 """/metrics exposition (server/metrics.py) without a server: the series names, labels and values a scrape reads,
 parsed back with the client library's own parser."""
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import EngineStats, PrefixCacheStats, StageStats
-from server.metrics import ENGINE_STEP_BUCKETS_S, ServerMetrics
+from engine import EngineStats, FirstAudioTimes, PrefixCacheStats, StageStats
+from server.metrics import ENGINE_STEP_BUCKETS_S, FIRST_AUDIO_PHASES, ServerMetrics, first_audio_phases
 
 
 def samples(text: str) -> dict[tuple, float]:
@@ -87,3 +88,23 @@ def test_two_servers_in_one_process_count_apart():
     a, b = ServerMetrics(), ServerMetrics()
     a.underruns.inc()
     assert a.underruns.get() == 1 and b.underruns.get() == 0
+
+
+def test_first_audio_phases_cut_the_ttfa_at_the_engines_points():
+    times = FirstAudioTimes(arrival=10.001, prefill_planned=10.003, code_predictor_planned=10.006,
+                            codec_planned=10.010, collected=10.015, handed=10.0152, received=10.016)
+    m = ServerMetrics()
+    phases = m.observe_first_audio("ws", 10.0, 10.020, times, packets_at=10.018)
+    assert list(phases) == list(FIRST_AUDIO_PHASES)
+    expected = [0.001, 0.002, 0.003, 0.004, 0.005, 0.001, 0.002, 0.002]
+    assert list(phases.values()) == pytest.approx(expected)
+    assert sum(phases.values()) == pytest.approx(0.020)
+    s = samples(m.render(None, {"model": "m"}, None))
+    queue = (("phase", "queue"), ("transport", "ws"))
+    assert s[("voicelane_first_audio_phase_seconds_bucket", (("le", "0.00175"),) + queue)] == 0
+    assert s[("voicelane_first_audio_phase_seconds_bucket", (("le", "0.00225"),) + queue)] == 1  # 2 ms, 0.25 ms steps
+    assert s[("voicelane_ttfa_seconds_count", (("transport", "ws"),))] == 1
+    # the first bytes sent held no packet (a WAV header): encoding runs to the send; no record, no phases
+    assert first_audio_phases(10.0, times, None, 10.020)["encode"] == pytest.approx(0.004)
+    assert first_audio_phases(10.0, times, None, 10.020)["send"] == 0
+    assert m.observe_first_audio("http", 10.0, 10.02, None, None) == {}

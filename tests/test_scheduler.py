@@ -401,3 +401,30 @@ def test_admission_refuses_a_newcomer_whose_predicted_first_audio_is_too_late():
         open_ctx(sched, clock)
     sched.cfg = SchedulerConfig(max_slots=16, admission_first_audio_s=predicted * 1.5)
     open_ctx(sched, clock)
+
+
+def test_first_audio_times_ride_on_each_segments_first_chunk_only_in_phase_order():
+    """Every segment's first AudioChunk carries when its first audio passed each point, in order; no other chunk
+    carries a record. A segment queued behind another and a context arriving while one plays are included."""
+    sched, core, runner, clock, emitted = make(eos_at={})
+    clock.t = 1.0
+    a = open_ctx(sched, clock, words=3, close=False, max_frames=6)
+    sched.end_segment(a, 3, clock())
+    sched.append_text(a, [200, 201], clock())  # segment 1, queued behind segment 0
+    sched.end_segment(a, 2, clock(), close=True)
+    for _ in range(6):
+        core.step()
+    b_text_at = clock()
+    b = open_ctx(sched, clock, words=2, max_frames=6)
+    core.run_until_idle()
+    segments = {(a, 0): 1.0, (a, 1): 1.0, (b, 0): b_text_at}
+    for (cid, segment), text_at in segments.items():
+        chunks = [e for e in audio(emitted, cid) if e.segment == segment]
+        assert len(chunks) >= 2
+        assert [e.first_audio is not None for e in chunks] == [True] + [False] * (len(chunks) - 1)
+        t = chunks[0].first_audio
+        assert t.arrival == text_at
+        assert t.arrival <= t.prefill_planned < t.code_predictor_planned < t.codec_planned < t.collected
+        assert t.handed is None and t.received is None  # the engine's hand-off to the event loop stamps those
+    first = {(e.cid, e.segment): e.first_audio for e in emitted if isinstance(e, AudioChunk) and e.first_audio}
+    assert first[(a, 1)].prefill_planned > first[(a, 0)].collected  # segment 1 waited for segment 0

@@ -25,6 +25,7 @@ from server.audio.containers import AudioFile, open_audio_file
 from server.audio.stream import AudioStream
 from server.auth import bearer_token
 from server.logs import context_logger, current_trace
+from server.metrics import phases_text
 from server.options import SAMPLING_FIELDS, ContextOptions, resolve_context_options
 from server.protocol import (
     ERRORS,
@@ -243,6 +244,7 @@ class SpeechStream(Response):
         self.ectx, self.audio, self.trace_id = stream.ectx, stream.audio, stream.trace_id
         self.log = context_logger(self.trace_id)
         self.first_sent = False
+        self.first_audio_phases: dict[str, float] = {}  # server.metrics.FIRST_AUDIO_PHASES, seconds, once sent
         self.started = False  # response headers sent
         self.reason = "cancelled"
         self.segment_cut = False  # a segment ended at max_frames
@@ -295,8 +297,9 @@ class SpeechStream(Response):
             rt.http_streams -= 1
             rt.metrics.active_contexts.dec("http")
             rt.metrics.contexts.inc("http", self.reason)
-            self.log.info("speech request ended: %s, %d frames, %.0f ms of audio in %.0f ms", self.reason,
-                          self.stream.frames, self.audio.encoded_ms, (time.monotonic() - self.t0) * 1000)
+            self.log.info("speech request ended: %s, %d frames, %.0f ms of audio in %.0f ms%s", self.reason,
+                          self.stream.frames, self.audio.encoded_ms, (time.monotonic() - self.t0) * 1000,
+                          phases_text(self.first_audio_phases))
 
     async def _end_drained(self, send) -> None:
         """The drain deadline cut this request: a response not yet begun is a retryable 503; one under way ends
@@ -356,7 +359,8 @@ class SpeechStream(Response):
     def _note_audio(self, data: bytes) -> None:
         if data and not self.first_sent:
             self.first_sent = True
-            self.rt.metrics.ttfa.observe("http", value=time.monotonic() - self.t0)
+            self.first_audio_phases = self.rt.metrics.observe_first_audio(
+                "http", self.t0, time.monotonic(), self.stream.first_audio, self.stream.first_packets_at)
 
     async def _run(self, send) -> None:
         if not self.req.stream:

@@ -47,6 +47,7 @@ class WsContext:
         self.text_chars = 0
         self.first_text_at: float | None = None
         self.first_audio_sent_at: float | None = None
+        self.first_audio_phases: dict[str, float] = {}  # server.metrics.FIRST_AUDIO_PHASES, seconds, once sent
         self.last_activity = time.monotonic()
         # audio accounting
         self.seq = 0
@@ -170,8 +171,9 @@ class WsContext:
         self.metrics.audio_seconds.inc("ws", amount=audio_s)
         if self.first_audio_sent_at is None and audio_s > 0:
             self.first_audio_sent_at = time.monotonic()
-            start = self.first_text_at or self.created_at
-            self.metrics.ttfa.observe("ws", value=self.first_audio_sent_at - start)
+            self.first_audio_phases = self.metrics.observe_first_audio(
+                "ws", self.first_text_at or self.created_at, self.first_audio_sent_at, self.stream.first_audio,
+                self.stream.first_packets_at)
 
     async def _finish(self, ev: ContextDone) -> None:
         """The engine ended the context (completed, max_frames, error) or the session timed it out."""

@@ -30,6 +30,7 @@ from engine import EngineError, Overloaded
 from server.audio.encoders import OpusOutput, PcmOutput
 from server.audio.stream import AudioStream
 from server.auth import bearer_token, query_token, subprotocol_token
+from server.metrics import phases_text
 from server.options import ContextOptions, resolve_context_options
 from server.protocol import (
     CLOSE_GOING_AWAY,
@@ -548,8 +549,9 @@ class WsSession:
         m = self.runtime.metrics
         m.active_contexts.dec("ws")
         m.contexts.inc("ws", reason)
-        ctx.log.info("context %s ended: %s (frames %d, generated %.0f ms, sent %.0f ms)", ctx.id, reason,
-                     ctx.stream.frames, ctx.stream.generated_samples / 24.0, ctx.sent_end_ms)
+        ctx.log.info("context %s ended: %s (frames %d, generated %.0f ms, sent %.0f ms)%s", ctx.id, reason,
+                     ctx.stream.frames, ctx.stream.generated_samples / 24.0, ctx.sent_end_ms,
+                     phases_text(ctx.first_audio_phases))
 
 
 # What each client message does (docs/protocol.md 1.1), by its `type` (server.protocol.CLIENT_TYPES).
