@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -206,6 +207,18 @@ def print_config(cfg: ServerConfig) -> None:
     sys.stderr.flush()
 
 
+def freeze_startup_objects() -> tuple[int, float]:
+    """Move every object alive now (the model's modules, the tokenizer, the server's tables) out of the garbage
+    collector's reach. A full collection walks them all otherwise: about 110 ms with the 1.7B engine loaded (on the
+    development CPU), with the GIL held, so the engine thread stops and a playing stream can run dry. Returns (objects
+    frozen, ms a full collection of them took)."""
+    t0 = time.perf_counter()
+    gc.collect()
+    full_ms = (time.perf_counter() - t0) * 1e3
+    gc.freeze()
+    return gc.get_freeze_count(), full_ms
+
+
 def make_loader(cfg: ServerConfig):
     def load():
         from engine import Engine  # its first use imports torch
@@ -224,6 +237,9 @@ def make_loader(cfg: ServerConfig):
             log.info("warm-up: %.2f s", engine.warmup())
         else:
             engine.warmed_up = True
+        frozen, full_ms = freeze_startup_objects()
+        log.info("%d start-up objects frozen out of the garbage collector (a full collection of them took %.0f ms)",
+                 frozen, full_ms)
         engine.start()
         return engine, tokenizer
 
