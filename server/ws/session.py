@@ -22,11 +22,12 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from engine import EngineError, Overloaded
+from engine import EngineError
 from server.audio.encoders import OpusOutput, PcmOutput
 from server.audio.stream import AudioStream
 from server.auth import bearer_token, query_token, subprotocol_token
@@ -40,6 +41,7 @@ from server.protocol import (
     PROTOCOL_VERSION,
     SUBPROTOCOL,
     ProtocolError,
+    as_protocol_error,
     check_unicode,
     get_bool,
     get_flush_id,
@@ -107,9 +109,7 @@ class WsSession:
             return
         self.out.closed = True
         self.close_code = code
-        for ctx in list(self.contexts.values()):
-            ctx.abandon()
-            self._context_ended(ctx, "abandoned")
+        self._abandon_all()
         if immediate:
             self.out.purge()
             self.out.put(OutItem(close=(code, reason)), front=True)
@@ -194,9 +194,7 @@ class WsSession:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.finished.wait(), CLOSE_GRACE_S * 2)
         finally:
-            for ctx in list(self.contexts.values()):
-                ctx.abandon()
-                self._context_ended(ctx, "abandoned")
+            self._abandon_all()
             recv.cancel()
             if not emit.done():
                 if self.ending and not self.finished.is_set():
@@ -210,18 +208,15 @@ class WsSession:
             rt.metrics.sessions_total.inc(str(self.close_code or "client"))
             log.info("session %s closed (%s)", self.id, self.close_code or "by the client")
 
+    def _abandon_all(self) -> None:
+        for ctx in list(self.contexts.values()):
+            ctx.abandon()
+            self._context_ended(ctx, "abandoned")
+
     def _session_created(self) -> dict:
         rt = self.runtime
         info = rt.info
-        limits = {"max_contexts": self.limits.max_contexts,
-                  "max_text_chars_per_message": self.limits.max_text_chars_per_message,
-                  "max_text_chars_per_context": self.limits.max_text_chars_per_context,
-                  "max_message_bytes": self.limits.max_message_bytes, "max_frames": rt.max_frames,
-                  "idle_timeout_s": self.limits.idle_timeout_s,
-                  "context_idle_timeout_s": self.limits.context_idle_timeout_s,
-                  "max_unsent_audio_s": self.limits.max_unsent_audio_s,
-                  "max_unsent_bytes": self.limits.max_unsent_bytes,
-                  "max_messages_per_s": self.limits.max_messages_per_s}
+        limits = {k: v for k, v in asdict(self.limits).items() if k != "message_burst"} | {"max_frames": rt.max_frames}
         return {"type": "session.created", "session_id": self.id, "protocol": PROTOCOL_VERSION, "model": info.name,
                 "limits": limits, "defaults": self.defaults.to_dict(rt.sampling_base),
                 "voices": [{"name": v.name, "languages": list(v.languages)} for v in info.voices],
@@ -339,13 +334,12 @@ class WsSession:
         context_id = obj.get("context_id") if is_valid_id(obj.get("context_id")) else None
         try:
             check_unicode(obj)
-            env = parse_envelope(obj)
-            HANDLERS[env.type](self, env.body, env.event_id)
+            msg_type, msg_event_id = parse_envelope(obj)
+            HANDLERS[msg_type](self, obj, msg_event_id)
         except ProtocolError as exc:
             self.error(exc, context_id=context_id, event_id=event_id)
         except EngineError as exc:
-            code = exc.code if exc.code in ERRORS else "internal"
-            self.out.send(ws_error(code, str(exc), context_id=context_id, event_id=event_id, param=exc.param))
+            self.error(as_protocol_error(exc), context_id=context_id, event_id=event_id)
         except Exception as exc:  # noqa: BLE001 - a server fault answers `internal`; the socket survives
             log.exception("session %s: internal error handling %r", self.id, obj.get("type"))
             self.out.send(ws_error("internal", f"server error: {type(exc).__name__}", context_id=context_id,
@@ -356,12 +350,12 @@ class WsSession:
             msg["event_id"] = event_id
         self.out.send(msg)
 
-    def _lookup(self, body: dict, *, for_text: bool = False) -> WsContext | None:
-        """The open context named by `context_id`; ProtocolError for ended / unknown ones (None: unknown and
-        `for_text`, which creates it)."""
+    def _lookup(self, body: dict, *, for_text: bool = False, ended_ok: bool = False) -> WsContext | None:
+        """The open context named by `context_id`. An ended one is context_closed (None with `ended_ok`); an unknown
+        one is unknown_context (None with `for_text`: the text creates it)."""
         cid = get_id(body, "context_id")
         ctx = self.contexts.get(cid)
-        if ctx is not None:
+        if ctx is not None or (ended_ok and cid in self.ended_ids):
             return ctx
         if cid in self.ended_ids:
             raise ProtocolError("context_closed", f"context {cid!r} has ended", "context_id", context_id=cid)
@@ -411,16 +405,12 @@ class WsSession:
                 raise ProtocolError("context_limit", f"{self.limits.max_contexts} contexts are open on this socket "
                                     "(limits.max_contexts); close or cancel one first")
             ctx = self._open(cid, opts)
-        except ProtocolError as exc:
-            exc.context_id = cid
-            if exc.code == "overloaded":
+        except (ProtocolError, EngineError) as exc:
+            err = as_protocol_error(exc)
+            err.context_id = cid
+            if err.code == "overloaded":
                 rt.metrics.rejections.inc("ws", "overloaded")
-            raise
-        except EngineError as exc:
-            if isinstance(exc, Overloaded):
-                rt.metrics.rejections.inc("ws", "overloaded")
-            raise ProtocolError(exc.code if exc.code in ERRORS else "internal", str(exc), exc.param,
-                                context_id=cid) from None
+            raise err from None
         if fault is not None:
             if fault[0] == "internal":
                 ctx.fault = "internal"
@@ -466,10 +456,7 @@ class WsSession:
         return ctx
 
     def on_text(self, body: dict, event_id: Any) -> None:
-        text = body.get("text")
-        if not isinstance(text, str):
-            raise ProtocolError("invalid_field", "'text' must be a string", "text")
-        get_str(body, "text")  # valid Unicode
+        text = get_str(body, "text", required=True)
         flush = get_bool(body, "flush")
         flush_id = get_flush_id(body)
         if len(text) > self.limits.max_text_chars_per_message:
@@ -506,16 +493,14 @@ class WsSession:
 
     def on_context_cancel(self, body: dict, event_id: Any) -> None:
         played = get_number(body, "played_ms", minimum=0)
-        cid = get_id(body, "context_id")
-        ctx = self.contexts.get(cid)
+        ctx = self._lookup(body, ended_ok=True)
         if ctx is None:
-            if cid in self.ended_ids:
-                self.out.send(ws_warning("context_not_active", f"context {cid!r} has already ended",
-                                         context_id=cid, event_id=event_id))
-                return
-            raise ProtocolError("unknown_context", f"no context {cid!r} on this socket", "context_id")
+            cid = body["context_id"]
+            self.out.send(ws_warning("context_not_active", f"context {cid!r} has already ended", context_id=cid,
+                                     event_id=event_id))
+            return
         ctx.cancel(played, event_id)
-        ctx.log.info("context %s cancelled by the client", cid)
+        ctx.log.info("context %s cancelled by the client", ctx.id)
 
     def on_cancel_all(self, body: dict, event_id: Any) -> None:
         played = parse_played_map(body.get("played"))
@@ -527,12 +512,9 @@ class WsSession:
         played = get_number(body, "played_ms", required=True, minimum=0)
         state = get_str(body, "state", required=True, choices=PLAYBACK_STATES)
         buffered = get_number(body, "buffered_ms", minimum=0)
-        cid = get_id(body, "context_id")
-        ctx = self.contexts.get(cid)
+        ctx = self._lookup(body, ended_ok=True)
         if ctx is None:
-            if cid in self.ended_ids:
-                return  # a late report for an ended context is accepted silently
-            raise ProtocolError("unknown_context", f"no context {cid!r} on this socket", "context_id")
+            return  # a late report for an ended context is accepted silently
         self.runtime.metrics.playback_reports.inc(state)
         ctx.report_playback(played, state, buffered)
 
