@@ -163,9 +163,10 @@ class LlmTextNormalizer:
         if mode not in ("llm", "none"):
             raise ValueError(f"text_normalization must be 'llm' or 'none', not {mode!r}")
         self.mode = mode
-        self._reset()
+        self.reset()
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Drop held-back text and state (cancel; also the start of a segment)."""
         self._buf = ""
         self._pos = 0
         self._state = "line"  # "line" (at a line start), "inline", "fence"
@@ -189,37 +190,26 @@ class LlmTextNormalizer:
 
     def finish(self) -> str:
         """Everything still held back, as the end of the text; then a fresh state (next segment)."""
-        if self.mode == "none":
-            return ""
-        self._buf = self._buf[self._pos:]
-        self._pos = 0
-        self._run(eof=True)
-        out = self._ws.take()
-        self._reset()
-        return out
+        return self._end(keep_fence=False)
 
     def flush(self) -> str:
         """End of a segment in a context that goes on (a `flush` message): like `finish()`, except that an open
         fenced code block stays open, so the rest of the block, arriving in the next segment, is still dropped."""
+        return self._end(keep_fence=True)
+
+    def _end(self, keep_fence: bool) -> str:
         if self.mode == "none":
             return ""
-        self._buf = self._buf[self._pos:]
-        self._pos = 0
+        self._buf, self._pos = self._buf[self._pos:], 0
         self._run(eof=False)
-        if self._state != "fence":
+        in_fence = keep_fence and self._state == "fence"
+        if not in_fence:
             self._run(eof=True)
-        out = self._ws.take()
-        if self._state == "fence":
-            rest, fence = self._buf[self._pos:], self._fence
-            self._reset()
+        out, rest, fence = self._ws.take(), self._buf[self._pos:], self._fence
+        self.reset()
+        if in_fence:
             self._state, self._fence, self._buf = "fence", fence, rest
-        else:
-            self._reset()
         return out
-
-    def reset(self) -> None:
-        """Drop held-back text and state (cancel)."""
-        self._reset()
 
     @property
     def holds_gap(self) -> bool:
@@ -264,10 +254,8 @@ class LlmTextNormalizer:
 
     # ------------------------------------------------------------------ block level
     def _line_start(self, eof: bool):
-        buf, i, n = self._buf, self._pos, len(self._buf)
-        j = i
-        while j < n and buf[j] in " \t":
-            j += 1
+        buf, n = self._buf, len(self._buf)
+        j = _skip_spaces(buf, self._pos)
         if j == n:
             if not eof:
                 return _NEED
@@ -316,9 +304,7 @@ class LlmTextNormalizer:
             if j + 1 == n and not eof:
                 return _NEED
             if j + 1 == n or buf[j + 1] in " \t\r\n":
-                k = j + 1
-                while k < n and buf[k] in " \t":
-                    k += 1
+                k = _skip_spaces(buf, j + 1)
                 if k == n and not eof:
                     return _NEED  # a task box may follow
                 box = buf[k:k + 4]
@@ -372,7 +358,8 @@ class LlmTextNormalizer:
                 return _NEED
             self._newline(2 if i + 1 < n and buf[i + 1] == "\n" else 1)
             return None
-        if self._drop_invisible(c):
+        if ord(c) in _INVISIBLE or (unicodedata.category(c) == "Cc" and not c.isspace()):
+            self._pos += 1
             return None
         if _is_emoji(c):
             self._consume(1)
@@ -470,13 +457,6 @@ class LlmTextNormalizer:
         self._emit(buf[i:k])
         return None
 
-    def _drop_invisible(self, c: str) -> bool:
-        cp = ord(c)
-        if cp in _INVISIBLE or (unicodedata.category(c) == "Cc" and not c.isspace()):
-            self._pos += 1
-            return True
-        return False
-
     def _delimiter(self, c: str, eof: bool):
         buf, i, n = self._buf, self._pos, len(self._buf)
         run = _run_length(buf, i, c)
@@ -493,9 +473,7 @@ class LlmTextNormalizer:
         else:
             markup = left or right
             if markup and run <= 2:
-                k = i + run
-                while k < n and buf[k] in " \t":
-                    k += 1
+                k = _skip_spaces(buf, i + run)
                 if k == n and not eof:
                     return _NEED
                 after = buf[k] if k < n else ""
@@ -509,9 +487,7 @@ class LlmTextNormalizer:
 
     def _closing_hashes(self, eof: bool):
         buf, i, n = self._buf, self._pos, len(self._buf)
-        k = i + _run_length(buf, i, "#")
-        while k < n and buf[k] in " \t":
-            k += 1
+        k = _skip_spaces(buf, i + _run_length(buf, i, "#"))
         if k == n and not eof:
             return _NEED
         if _is_ws(self._prev) and (k == n or buf[k] in "\r\n"):
