@@ -61,8 +61,7 @@ class OggOpusFile(AudioFile):
         return self.writer.write([p.payload for p in packets], last=True, end_granule=self.output.end_sample)
 
 
-def open_audio_file(response_format: str, *, opus_complexity: int = 10, opus_bitrate: int = 32000,
-                    mp3_bitrate_kbps: int = 64) -> AudioFile:
+def open_audio_file(response_format: str, *, opus_complexity: int = 10) -> AudioFile:
     """`response_format` is one of HTTP_FORMATS; ValueError otherwise. Raises OpusUnavailableError or
     Mp3UnavailableError (RuntimeError) when the codec library is missing."""
     if response_format == "pcm":
@@ -70,7 +69,7 @@ def open_audio_file(response_format: str, *, opus_complexity: int = 10, opus_bit
     if response_format == "wav":
         return WavFile("wav", PcmOutput())
     if response_format == "opus":
-        return OggOpusFile(OpusOutput(opus_bitrate, complexity=opus_complexity))
+        return OggOpusFile(OpusOutput(complexity=opus_complexity))
     if response_format == "mp3":
-        return AudioFile("mp3", Mp3Output(mp3_bitrate_kbps))
+        return AudioFile("mp3", Mp3Output())
     raise ValueError(f"unknown response_format {response_format!r}; expected one of {HTTP_FORMATS}")

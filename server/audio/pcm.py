@@ -123,13 +123,11 @@ class Resampler:
         if not self.identity:
             nyq = min(in_rate, out_rate) / 2.0
             h = _kaiser_lowpass(in_rate * self.up, pass_fraction * nyq, nyq, atten_db, float(self.up))
-            self.taps = len(h)
             self._delay = (len(h) - 1) // 2  # at the upsampled rate
             self._phases = [h[p :: self.up].copy() for p in range(self.up)]
             self._span = max(len(ph) for ph in self._phases)  # input samples one output reads
             self.lookahead = -(-self._delay // self.up)  # input samples needed after an output's instant
         else:
-            self.taps = 1
             self.lookahead = 0
         self.reset()
 

@@ -16,7 +16,6 @@ import numpy as np
 
 from .pcm import float_to_s16
 
-WAV_HEADER_SIZE = 44
 UNKNOWN_SIZE = 0xFFFFFFFF
 
 
