@@ -235,13 +235,15 @@ class LlmTextNormalizer:
         for ch in text:
             self._ws.push(ch)
 
-    def _consume(self, count: int) -> None:
-        """Advance over `count` input characters, tracking the flanking context."""
+    def _take(self, count: int, text: str = "") -> None:
+        """Advance over `count` input characters (tracking the flanking context) and emit `text` in their place;
+        None, so that a step can end with `return self._take(...)`."""
         for ch in self._buf[self._pos:self._pos + count]:
             self._prev = ch
             if not ch.isspace():
                 self._prev_visible = ch
         self._pos += count
+        self._emit(text)
 
     def _newline(self, count: int) -> None:
         self._pos += count
@@ -362,44 +364,29 @@ class LlmTextNormalizer:
             self._pos += 1
             return None
         if _is_emoji(c):
-            self._consume(1)
             self._prev_emoji = True
-            self._emit(_MARK)
-            return None
+            return self._take(1, _MARK)
         if c == "\u200d" and self._prev_emoji:
-            self._consume(1)
-            return None
+            return self._take(1)
         self._prev_emoji = False
-        if self._code:
-            if c == "`":
-                run = _run_length(buf, i, "`")
-                if i + run == n and not eof:
-                    return _NEED
-                if run == self._code:
-                    self._code = 0
-                self._consume(run)
-            else:
-                self._consume(1)
-                self._emit(c)
-            return None
         if c == "`":
             run = _run_length(buf, i, "`")
             if i + run == n and not eof:
                 return _NEED
-            self._code = run
-            self._consume(run)
-            return None
+            if not self._code:
+                self._code = run
+            elif run == self._code:
+                self._code = 0
+            return self._take(run)
+        if self._code:
+            return self._take(1, c)
         if c == "\\":
             if i + 1 == n and not eof:
                 return _NEED
             nxt = buf[i + 1] if i + 1 < n else ""
             if nxt and nxt.isascii() and _is_punct(nxt):
-                self._consume(2)
-                self._emit(nxt)
-            else:
-                self._consume(1)
-                self._emit(c)
-            return None
+                return self._take(2, nxt)
+            return self._take(1, c)
         if c in "*_~":
             return self._delimiter(c, eof)
         if c == "#" and self._heading:
@@ -412,20 +399,14 @@ class LlmTextNormalizer:
                 if found is _NEED:
                     return _NEED
                 if found is not _FAIL:
-                    self._consume(found[0] - i)
-                    self._emit(_MARK)
-                    return None
-            self._consume(1)
-            self._emit(c)
-            return None
+                    return self._take(found[0] - i, _MARK)
+            return self._take(1, c)
         if c == "[":
             found = _parse_link(buf, i, eof)
             if found is _NEED:
                 return _NEED
             if found is _FAIL:
-                self._consume(1)
-                self._emit(c)
-                return None
+                return self._take(1, c)
             end, text = found
             # The link text takes the link's place and is normalised like any text.
             self._buf = text + buf[end:]
@@ -439,23 +420,17 @@ class LlmTextNormalizer:
             if match:
                 decoded = html.unescape(match.group(0))
                 if decoded != match.group(0):
-                    self._consume(match.end())
-                    self._emit(decoded)
-                    return None
+                    return self._take(match.end(), decoded)
             elif not eof and n - i < 40 and _ENTITY_PARTIAL.match(tail):
                 return _NEED
-            self._consume(1)
-            self._emit(c)
-            return None
+            return self._take(1, c)
         if c in "hHwW" and not _is_alnum(self._prev):
             return self._url(eof)
         # Plain text: take the run up to the next character that could start something.
         k = i + 1
         while k < n and _plain(buf[k], buf[k - 1]):
             k += 1
-        self._consume(k - i)
-        self._emit(buf[i:k])
-        return None
+        return self._take(k - i, buf[i:k])
 
     def _delimiter(self, c: str, eof: bool):
         buf, i, n = self._buf, self._pos, len(self._buf)
@@ -480,10 +455,7 @@ class LlmTextNormalizer:
                 before = self._prev_visible
                 if (before.isdigit() or before == ")") and (after.isdigit() or after == "("):
                     markup = False  # multiplication or power: 2*3, 2 *3, (a)*(b), 2**8
-        self._consume(run)
-        if not markup:
-            self._emit(c * run)
-        return None
+        return self._take(run, "" if markup else c * run)
 
     def _closing_hashes(self, eof: bool):
         buf, i, n = self._buf, self._pos, len(self._buf)
@@ -491,12 +463,9 @@ class LlmTextNormalizer:
         if k == n and not eof:
             return _NEED
         if _is_ws(self._prev) and (k == n or buf[k] in "\r\n"):
-            self._consume(k - i)
-        else:
-            run = _run_length(buf, i, "#")
-            self._consume(run)
-            self._emit("#" * run)
-        return None
+            return self._take(k - i)
+        run = _run_length(buf, i, "#")
+        return self._take(run, "#" * run)
 
     def _angle(self, eof: bool):
         buf, i = self._buf, self._pos
@@ -504,18 +473,9 @@ class LlmTextNormalizer:
         if found is _NEED:
             return _NEED
         if found is _FAIL:
-            self._consume(1)
-            self._emit("<")
-            return None
+            return self._take(1, "<")
         end, kind, payload = found
-        self._consume(end - i)
-        if kind == "autolink":
-            self._emit(payload)
-        elif kind == "block":
-            self._emit(" ")
-        elif kind == "drop":
-            self._emit(_MARK)
-        return None
+        return self._take(end - i, {"autolink": payload, "block": " ", "drop": _MARK}.get(kind, ""))  # mark: ""
 
     def _url(self, eof: bool):
         buf, i, n = self._buf, self._pos, len(self._buf)
@@ -524,17 +484,13 @@ class LlmTextNormalizer:
         if start is None:
             if not eof and n - i < 8 and any(s.startswith(head) for s in _URL_STARTS):
                 return _NEED
-            self._consume(1)
-            self._emit(buf[i])
-            return None
+            return self._take(1, buf[i])
         k = i + len(start)
         while k < n and _url_char(buf[k]):
             k += 1
         if k == n and not eof:
             return _NEED
-        self._consume(k - i)
-        self._emit(buf[i:k])
-        return None
+        return self._take(k - i, buf[i:k])
 
 
 # ---------------------------------------------------------------------- helpers
