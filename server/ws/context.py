@@ -76,9 +76,6 @@ class WsContext:
         self.last_activity = time.monotonic()
         self.release_flushes()
 
-    def close_input(self) -> None:
-        self.stream.close_input()
-
     def release_flushes(self) -> None:
         while self.flushes and self.flushes[0][0] < self.stream.segments_done:
             seg, fid, eid = self.flushes.popleft()

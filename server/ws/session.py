@@ -31,7 +31,7 @@ from engine import EngineError
 from server.audio.encoders import OpusOutput, PcmOutput
 from server.audio.stream import AudioStream
 from server.auth import bearer_token, query_token, subprotocol_token
-from server.options import ContextOptions, resolve_context_options
+from server.options import resolve_context_options
 from server.protocol import (
     CLOSE_GOING_AWAY,
     CLOSE_INTERNAL,
@@ -47,6 +47,7 @@ from server.protocol import (
     get_flush_id,
     get_id,
     get_number,
+    get_object,
     get_str,
     is_unicode,
     is_valid_id,
@@ -242,7 +243,6 @@ class WsSession:
                 if not ctx.ended:
                     ctx.abandon()
                     self.out.send(ws_error("internal", "the engine stopped", context_id=ctx.id))
-                    ctx.end("error")
             self.end(CLOSE_INTERNAL, "engine stopped",
                      error=ws_error("internal", "the engine stopped; reconnect later", fatal=True))
             return
@@ -404,13 +404,24 @@ class WsSession:
                 rt.metrics.rejections.inc("ws", "context_limit")
                 raise ProtocolError("context_limit", f"{self.limits.max_contexts} contexts are open on this socket "
                                     "(limits.max_contexts); close or cancel one first")
-            ctx = self._open(cid, opts)
+            instructions = instruction_ids(opts, rt.tokenizer, rt.info)
+            fmt = opts.output_format
+            try:
+                output = OpusOutput(fmt.bitrate, complexity=rt.config.opus_complexity) if fmt.is_opus else \
+                    PcmOutput(fmt.encoding, fmt.sample_rate)
+            except RuntimeError as exc:  # codec library missing
+                raise ProtocolError("unsupported_format", str(exc), "output_format") from None
+            stream = ContextStream.open(rt.engine, opts, instructions, AudioStream(output, segment_flush=True),
+                                        rt.executor, rt.tokenizer)  # InvalidRequest / Overloaded
         except (ProtocolError, EngineError) as exc:
             err = as_protocol_error(exc)
             err.context_id = cid
             if err.code == "overloaded":
                 rt.metrics.rejections.inc("ws", "overloaded")
             raise err from None
+        ctx = self.contexts[cid] = WsContext(self.out, rt.metrics, cid, opts, stream,
+                                             next(self._stream_ids) & 0xFFFFFFFF)
+        rt.metrics.active_contexts.inc("ws")
         if fault is not None:
             if fault[0] == "internal":
                 ctx.fault = "internal"
@@ -429,31 +440,12 @@ class WsSession:
         return ctx
 
     def _fault(self, body: dict) -> tuple[str, int] | None:
-        spec = body.get("test_fault")
-        if spec is None or not self.runtime.config.test_hooks:
+        spec = get_object(body, "test_fault") if self.runtime.config.test_hooks else None
+        if spec is None:
             return None
-        if not isinstance(spec, dict):
-            raise ProtocolError("invalid_field", "'test_fault' must be an object", "test_fault")
         kind = get_str(spec, "kind", required=True, choices=FAULT_KINDS, param="test_fault.kind")
         at = int(get_number(spec, "at_frame", minimum=0, param="test_fault.at_frame") or 0)
         return kind, at
-
-    def _open(self, cid: str, opts: ContextOptions) -> WsContext:
-        rt = self.runtime
-        instructions = instruction_ids(opts, rt.tokenizer, rt.info)
-        fmt = opts.output_format
-        try:
-            output = OpusOutput(fmt.bitrate, complexity=rt.config.opus_complexity) if fmt.is_opus else \
-                PcmOutput(fmt.encoding, fmt.sample_rate)
-        except RuntimeError as exc:  # codec library missing
-            raise ProtocolError("unsupported_format", str(exc), "output_format") from None
-        stream = ContextStream.open(rt.engine, opts, instructions, AudioStream(output, segment_flush=True),
-                                    rt.executor, rt.tokenizer)  # InvalidRequest / Overloaded
-        ctx = WsContext(self.out, rt.metrics, cid, opts, stream, next(self._stream_ids) & 0xFFFFFFFF)
-        self.contexts[cid] = ctx
-        self.ended_ids.pop(cid, None)
-        rt.metrics.active_contexts.inc("ws")
-        return ctx
 
     def on_text(self, body: dict, event_id: Any) -> None:
         text = get_str(body, "text", required=True)
@@ -489,7 +481,7 @@ class WsSession:
         if ctx.stream.input_closed:
             raise ProtocolError("context_closed", f"context {ctx.id!r} is already closed", "context_id")
         ctx.close_event_id = event_id
-        ctx.close_input()
+        ctx.stream.close_input()
 
     def on_context_cancel(self, body: dict, event_id: Any) -> None:
         played = get_number(body, "played_ms", minimum=0)
