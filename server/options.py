@@ -110,24 +110,14 @@ def parse_sampling(v: Any, param: str = "sampling") -> dict[str, Any]:
         return {}
     if not isinstance(v, dict):
         raise ProtocolError("invalid_field", f"'{param}' must be an object, got {type_name(v)}", param)
-    out: dict[str, Any] = {}
-    for name, ours in SAMPLING_FIELDS.items():
-        out.update(_sampling_value(v, name, ours, f"{param}.{name}"))
-    sub = get_object(v, "subtalker", param=f"{param}.subtalker")
-    if sub is not None:
-        for name, ours in SUBTALKER_FIELDS.items():
-            out.update(_sampling_value(sub, name, ours, f"{param}.subtalker.{name}"))
-    return out
+    out = _sampling_values(v, SAMPLING_FIELDS, param)
+    return out | _sampling_values(get_object(v, "subtalker", param=f"{param}.subtalker") or {}, SUBTALKER_FIELDS,
+                                  f"{param}.subtalker")
 
 
-def _sampling_value(obj: dict, name: str, ours: str, param: str) -> dict[str, Any]:
-    if name not in obj:
-        return {}
-    if obj[name] is None:
-        return {ours: None}
-    if ours in _INT_FIELDS:
-        return {ours: get_int(obj, name, param=param)}
-    return {ours: get_number(obj, name, param=param)}
+def _sampling_values(obj: dict, names: dict[str, str], param: str) -> dict[str, Any]:
+    return {ours: (get_int if ours in _INT_FIELDS else get_number)(obj, name, param=f"{param}.{name}")
+            for name, ours in names.items() if name in obj}
 
 
 def validate_sampling(base: SamplingParams, overrides: dict[str, Any], param: str = "sampling") -> SamplingParams:
@@ -156,22 +146,24 @@ class Catalog:
     languages: tuple[str, ...]  # lower-case names, "auto" first
 
     def voice(self, v: Any, param: str = "voice") -> str:
-        if not isinstance(v, str) or not v.strip():
-            raise ProtocolError("invalid_field", f"'{param}' must be a non-empty string", param)
-        name = v.strip().lower()
+        name = _name(v, param)
         if name not in self.voices:
             raise ProtocolError("unknown_voice", f"unknown voice {v!r}; voices: {', '.join(self.voices)}", param)
         return name
 
     def language(self, v: Any, param: str = "language") -> str:
-        if not isinstance(v, str) or not v.strip():
-            raise ProtocolError("invalid_field", f"'{param}' must be a non-empty string", param)
-        name = v.strip().lower()
+        name = _name(v, param)
         name = LANGUAGE_CODES.get(name, name)
         if name not in self.languages:
             raise ProtocolError("unknown_language", f"unknown language {v!r}; languages: {', '.join(self.languages)} "
                                 "or their ISO 639-1 codes", param)
         return name
+
+
+def _name(v: Any, param: str) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise ProtocolError("invalid_field", f"'{param}' must be a non-empty string", param)
+    return v.strip().lower()
 
 
 # ------------------------------------------------------------------------------------------------ session defaults
