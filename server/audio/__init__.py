@@ -1,15 +1,7 @@
-"""Everything between the model's float PCM (24 kHz mono float32) and the bytes that leave the server.
-
-- trim: LeadingSilenceTrimmer, per segment (docs/protocol.md 1.7).
-- pcm: s16le / f32le / mu-law conversions, streaming-exact Resampler, PcmEncoder.
-- opus: OpusStreamEncoder (opuslib; needs libopus0), OpusPacket, OpusUnavailableError.
-- ogg: OggOpusWriter (RFC 7845) and Ogg helpers.
-- mp3: Mp3StreamEncoder (lameenc).
-- wav: wav_header (streaming 0xFFFFFFFF sizes or exact), WavWriter, write_wav.
-- the 16-byte binary audio frame header (docs/protocol.md 1.3), re-exported from voicelane_wire.
-- encoders: AudioPacket and one output per encoding (PcmOutput, OpusOutput, Mp3Output), for both doors.
-- containers: the HTTP response formats as files around an output (AudioFile, open_audio_file).
-- stream: AudioStream, one context's trimming and output.
+"""Everything between the model's float PCM (24 kHz mono float32) and the bytes that leave the server: silence
+trimming per segment (trim), PCM conversions and resampling (pcm), Opus, Ogg Opus, MP3 and WAV (opus, ogg, mp3, wav),
+one output per encoding for both doors (encoders), the HTTP response files around an output (containers), one
+context's trimming and output (stream); and the binary frame header, re-exported from voicelane_wire.
 
 Codec libraries are imported only when an encoder that needs them is built, so this package imports without them.
 """

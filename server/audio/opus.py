@@ -68,10 +68,6 @@ class OpusStreamEncoder:
         used.
     finish(): flush() and close; later calls raise. The last packet's `real_samples` says where real audio ends
         (Ogg end trimming: `audio_end` is the final granule position).
-
-    Properties: pre_skip (48 kHz units, from OPUS_GET_LOOKAHEAD), input_sample_rate, bitrate, samples_fed (input-
-    rate samples given to libopus, padding included), held (input samples waiting), audio_end (48 kHz decoder-clock
-    position just after the last real sample flushed so far), next_start_sample (decoder clock of the next packet).
     """
 
     def __init__(self, sample_rate: int = 24000, *, bitrate: int = 32000, complexity: int = 10) -> None:
@@ -88,12 +84,12 @@ class OpusStreamEncoder:
         self._scale = 48000 // sample_rate
         self.frame_size = sample_rate // 50  # 20 ms
         self.lookahead = int(self._enc.lookahead)  # input-rate samples
-        self.pre_skip = self.lookahead * self._scale
+        self.pre_skip = self.lookahead * self._scale  # 48 kHz units
         self._held = np.zeros(0, dtype=np.float32)
-        self.samples_fed = 0
+        self.samples_fed = 0  # input-rate samples given to libopus, padding included
         self._real_end = 0  # input clock, just after the last sample given to encode()
-        self.next_start_sample = 0
-        self.audio_end = self.pre_skip
+        self.next_start_sample = 0  # decoder clock of the next packet
+        self.audio_end = self.pre_skip  # decoder clock just after the last real sample flushed so far
         self._closed = False
 
     @property
