@@ -37,25 +37,6 @@ def ogg_crc(data: bytes) -> int:
     return crc
 
 
-def build_page(packets: list[bytes], *, serial: int, seq: int, granule: int, flags: int = 0) -> bytes:
-    """One Ogg page holding whole packets (their lacing values must fit in 255 segments)."""
-    lacing = bytearray()
-    for p in packets:
-        n = len(p)
-        lacing += b"\xff" * (n // 255) + bytes((n % 255,))
-    if len(lacing) > 255:
-        raise ValueError("packets need more than 255 lacing values for one page")
-    header = _PAGE_HEADER.pack(b"OggS", 0, flags, granule, serial, seq, 0, len(lacing))
-    page = bytearray(header + lacing + b"".join(packets))
-    struct.pack_into("<I", page, 22, ogg_crc(page))
-    return bytes(page)
-
-
-def opus_head(pre_skip: int, input_sample_rate: int = 24000) -> bytes:
-    """The 19-byte OpusHead of RFC 7845 5.1 (version 1, mono, no output gain, channel mapping family 0)."""
-    return b"OpusHead" + struct.pack("<BBHIhB", 1, 1, pre_skip, input_sample_rate, 0, 0)
-
-
 OPUS_TAGS = b"OpusTags" + struct.pack("<I", 9) + b"voicelane" + struct.pack("<I", 0)  # RFC 7845 5.2: no comments
 
 
@@ -104,15 +85,24 @@ class OggOpusWriter:
         self.closed = False
 
     def _page(self, packets: list[bytes], granule: int, flags: int = 0) -> bytes:
-        page = build_page(packets, serial=self.serial, seq=self._seq, granule=granule, flags=flags)
+        """The next page, holding whole packets (their lacing values must fit in 255 segments)."""
+        lacing = bytearray()
+        for p in packets:
+            lacing += b"\xff" * (len(p) // 255) + bytes((len(p) % 255,))
+        if len(lacing) > 255:
+            raise ValueError("packets need more than 255 lacing values for one page")
+        header = _PAGE_HEADER.pack(b"OggS", 0, flags, granule, self.serial, self._seq, 0, len(lacing))
+        page = bytearray(header + lacing + b"".join(packets))
+        struct.pack_into("<I", page, 22, ogg_crc(page))
         self._seq += 1
-        return page
+        return bytes(page)
 
     def headers(self) -> bytes:
         if self._headers_done:
             raise RuntimeError("headers() called twice")
         self._headers_done = True
-        head = opus_head(self.pre_skip, self.input_sample_rate)
+        # the 19-byte OpusHead of RFC 7845 5.1: version 1, mono, no output gain, channel mapping family 0
+        head = b"OpusHead" + struct.pack("<BBHIhB", 1, 1, self.pre_skip, self.input_sample_rate, 0, 0)
         return self._page([head], 0, FLAG_BOS) + self._page([OPUS_TAGS], 0)
 
     def write(self, packets: Iterable[bytes], *, last: bool = False, end_granule: int | None = None) -> bytes:

@@ -120,13 +120,7 @@ class LeadingSilenceTrimmer:
         if self.passing:
             return out
         # No onset anywhere: the segment is silence. Drop it (up to the cap).
-        keep_from = self._total if self.max_trim is None else min(self._total, self.max_trim)
-        out = self._buf[max(0, keep_from - self._buf_start) :]
-        self.dropped += max(0, keep_from - self._buf_start)
-        self._buf = _EMPTY
-        self._buf_start = self._total
-        self.passing = True
-        return out
+        return self._pass_from(self._total if self.max_trim is None else min(self._total, self.max_trim))
 
     # ----------------------------------------------------------------- private
 
