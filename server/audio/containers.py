@@ -9,7 +9,7 @@ from .encoders import MODEL_RATE, AudioOutput, AudioPacket, Mp3Output, OpusOutpu
 from .ogg import OggOpusWriter
 from .wav import wav_header
 
-HTTP_FORMATS = ("mp3", "opus", "wav", "pcm")
+HTTP_FORMATS = ("mp3", "pcm", "wav", "opus")
 CONTENT_TYPES = {"mp3": "audio/mpeg", "opus": "audio/ogg", "wav": "audio/wav", "pcm": "audio/pcm"}
 
 

@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from engine import SAMPLE_RATE, ContextDone, EngineError
-from server.audio.containers import AudioFile, open_audio_file
+from server.audio.containers import HTTP_FORMATS, AudioFile, open_audio_file
 from server.audio.stream import AudioStream
 from server.auth import bearer_token
 from server.logs import context_logger, current_trace
@@ -42,7 +42,6 @@ from server.stream import ContextStream, instruction_ids
 from server.text import encode_segments, segment_rule
 
 log = logging.getLogger("voicelane.http")
-RESPONSE_FORMATS = ("mp3", "pcm", "wav", "opus")
 STREAM_FORMATS = ("audio", "sse")
 TOP_LEVEL_SAMPLING = (*SAMPLING_FIELDS, "subtalker")
 RETRY_AFTER_S = "1"
@@ -100,8 +99,8 @@ def parse_speech(obj: dict, rt: Runtime) -> SpeechRequest:
                             f"{rt.limits.max_text_chars_per_context}", "input")
     get_str(obj, "model")  # any model name: this server has one
     fmt = get_str(obj, "response_format") or "mp3"
-    if fmt not in RESPONSE_FORMATS:
-        raise ProtocolError("unsupported_format", f"response_format {fmt!r}; one of {', '.join(RESPONSE_FORMATS)}",
+    if fmt not in HTTP_FORMATS:
+        raise ProtocolError("unsupported_format", f"response_format {fmt!r}; one of {', '.join(HTTP_FORMATS)}",
                             "response_format")
     speed = get_number(obj, "speed")
     if speed is not None and speed != 1.0:
