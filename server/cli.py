@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -190,28 +191,25 @@ def print_config(cfg: ServerConfig) -> None:
     sys.stderr.flush()
 
 
-def make_loader(cfg: ServerConfig):
-    def load():
-        from engine import Engine  # its first use imports torch
+def load_engine(cfg: ServerConfig):
+    """The model, loaded, warmed up and started, with its tokenizer (on the loader thread)."""
+    from engine import Engine  # its first use imports torch
 
-        if cfg.device == "cpu":
-            set_cpu_threads(cfg.cpu_threads)
-        t0 = time.monotonic()
-        loaded = load_model(cfg.model, cfg.device, resolve_dtype(cfg.dtype, cfg.device), cfg.random_seed)
-        log.info("model %s loaded in %.1f s on %s (%s)", cfg.model, time.monotonic() - t0, loaded.device,
-                 loaded.dtype)
-        if loaded.random_weights and not is_random(cfg.model):  # else print_config has shown it
-            print(RANDOM_NOTICE.format(model=cfg.model), file=sys.stderr)
-        tokenizer = TextTokenizer.from_dir(loaded.tokenizer_dir)
-        engine = Engine(loaded, cfg.engine)
-        if cfg.warmup:
-            log.info("warm-up: %.2f s", engine.warmup())
-        else:
-            engine.warmed_up = True
-        engine.start()
-        return engine, tokenizer
-
-    return load
+    if cfg.device == "cpu":
+        set_cpu_threads(cfg.cpu_threads)
+    t0 = time.monotonic()
+    loaded = load_model(cfg.model, cfg.device, resolve_dtype(cfg.dtype, cfg.device), cfg.random_seed)
+    log.info("model %s loaded in %.1f s on %s (%s)", cfg.model, time.monotonic() - t0, loaded.device, loaded.dtype)
+    if loaded.random_weights and not is_random(cfg.model):  # else print_config has shown it
+        print(RANDOM_NOTICE.format(model=cfg.model), file=sys.stderr)
+    tokenizer = TextTokenizer.from_dir(loaded.tokenizer_dir)
+    engine = Engine(loaded, cfg.engine)
+    if cfg.warmup:
+        log.info("warm-up: %.2f s", engine.warmup())
+    else:
+        engine.warmed_up = True
+    engine.start()
+    return engine, tokenizer
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -245,7 +243,7 @@ def serve(cfg: ServerConfig) -> int:
     from server.runtime import Runtime
 
     runtime = Runtime(cfg)
-    app = create_app(runtime, make_loader(cfg))
+    app = create_app(runtime, functools.partial(load_engine, cfg))
     from uvicorn.config import HTTP_PROTOCOLS, WS_PROTOCOLS
     from uvicorn.importer import import_from_string
 
