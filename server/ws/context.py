@@ -47,6 +47,7 @@ class WsContext:
         self.text_chars = 0
         self.first_text_at: float | None = None
         self.first_audio_sent_at: float | None = None
+        self.ttfa_s: float | None = None  # first text (or the context's creation) to its first audio sent
         self.last_activity = time.monotonic()
         # audio accounting
         self.seq = 0
@@ -167,8 +168,8 @@ class WsContext:
         self.metrics.audio_seconds.inc("ws", amount=audio_s)
         if self.first_audio_sent_at is None and audio_s > 0:
             self.first_audio_sent_at = time.monotonic()
-            start = self.first_text_at or self.created_at
-            self.metrics.ttfa.observe("ws", value=self.first_audio_sent_at - start)
+            self.ttfa_s = self.first_audio_sent_at - (self.first_text_at or self.created_at)
+            self.metrics.ttfa.observe("ws", value=self.ttfa_s)
 
     async def _finish(self, ev: ContextDone) -> None:
         """The engine ended the context (completed, max_frames, error) or the session timed it out."""
@@ -192,9 +193,7 @@ class WsContext:
         self.flushes.clear()
 
         def render() -> str:
-            ttfa = None
-            if self.first_audio_sent_at is not None:
-                ttfa = round((self.first_audio_sent_at - (self.first_text_at or self.created_at)) * 1000.0, 3)
+            ttfa = None if self.ttfa_s is None else round(self.ttfa_s * 1000.0, 3)
             msg = {"type": "context.done", "context_id": self.id, "reason": reason,
                    "audio_ms": round(self.audio.audio_end_ms, 3), "ttfa_ms": ttfa,
                    # extensions (not in docs/protocol.md; clients ignore unknown fields)
