@@ -134,12 +134,6 @@ def is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def check_utf8(text: str, param: str) -> str:
-    if not is_unicode(text):
-        raise ProtocolError("invalid_field", f"'{param}' has a lone surrogate (not valid Unicode)", param)
-    return text
-
-
 def is_unicode(s: str) -> bool:
     """False for a string holding a lone surrogate (JSON lets `\\ud800` through; UTF-8 cannot carry it)."""
     if s.isascii():
@@ -186,7 +180,8 @@ def is_valid_id(v: Any) -> bool:
 
 def _field(obj: dict, name: str, param: str | None, required: bool, ok, what: str) -> tuple[str, Any]:
     """(the name errors give the field, its value): None when absent or null (invalid_field when `required`),
-    else a value `ok` accepts (invalid_field: it must be `what`)."""
+    else a value `ok` accepts (invalid_field: it must be `what`). Lone surrogates are not looked for here: each
+    door runs check_unicode over the whole message where it enters."""
     param = param or name
     v = obj.get(name)
     if v is None:
@@ -202,7 +197,7 @@ def get_id(obj: dict, name: str, *, required: bool = True) -> str | None:
     _, v = _field(obj, name, None, required, lambda v: isinstance(v, str) and v, "a non-empty string")
     if v is not None and len(v) > MAX_ID_CHARS:
         raise ProtocolError("invalid_field", f"'{name}' is longer than {MAX_ID_CHARS} characters", name)
-    return v if v is None else check_utf8(v, name)
+    return v
 
 
 def get_flush_id(obj: dict) -> str | int | None:
@@ -222,7 +217,7 @@ def get_str(obj: dict, name: str, *, required: bool = False, choices: tuple[str,
         raise ProtocolError("invalid_field", f"'{param}' is {v!r}; one of {', '.join(choices)}", param)
     if max_chars is not None and len(v) > max_chars:
         raise ProtocolError("invalid_field", f"'{param}' is longer than {max_chars} characters", param)
-    return check_utf8(v, param)
+    return v
 
 
 def _at_least(v: float, minimum: float | None, param: str) -> None:
