@@ -5,12 +5,28 @@ pages, then one page per call that has packets, and the last packets on the EOS 
 
 from __future__ import annotations
 
+import struct
+
 from .encoders import MODEL_RATE, AudioOutput, AudioPacket, Mp3Output, OpusOutput, PcmOutput
 from .ogg import OggOpusWriter
-from .wav import wav_header
 
 HTTP_FORMATS = ("mp3", "pcm", "wav", "opus")
 CONTENT_TYPES = {"mp3": "audio/mpeg", "opus": "audio/ogg", "wav": "audio/wav", "pcm": "audio/pcm"}
+UNKNOWN_SIZE = 0xFFFFFFFF
+
+
+def wav_header(sample_rate: int = 24000, *, num_samples: int | None = None) -> bytes:
+    """The canonical 44-byte header of a 16-bit mono PCM WAV (RIFF) file. num_samples=None: the streaming header of
+    docs/protocol.md 2, RIFF and data sizes 0xFFFFFFFF (length unknown); else exact sizes for that many samples."""
+    if num_samples is None:
+        riff_size = data_size = UNKNOWN_SIZE
+    else:
+        data_size = num_samples * 2
+        if data_size + 36 > UNKNOWN_SIZE - 1:
+            raise ValueError("too many samples for a RIFF WAV file")
+        riff_size = 36 + data_size
+    fmt = struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)  # PCM, mono, 2 bytes a sample
+    return b"RIFF" + struct.pack("<I", riff_size) + b"WAVE" + b"fmt " + fmt + b"data" + struct.pack("<I", data_size)
 
 
 class AudioFile:
