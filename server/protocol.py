@@ -87,15 +87,15 @@ def ws_error(code: str, message: str, *, context_id: str | None = None, event_id
     kind = ERRORS[code]
     msg = {"type": "error", "code": code, "message": message, "fatal": kind.fatal if fatal is None else fatal,
            "retryable": kind.retryable}
-    return _with_ids(msg, context_id=context_id, event_id=event_id, param=param)
+    return with_ids(msg, context_id=context_id, event_id=event_id, param=param)
 
 
 def ws_warning(code: str, message: str, *, context_id: str | None = None, event_id: Any = None) -> dict:
     assert code in WARNINGS
-    return _with_ids({"type": "warning", "code": code, "message": message}, context_id=context_id, event_id=event_id)
+    return with_ids({"type": "warning", "code": code, "message": message}, context_id=context_id, event_id=event_id)
 
 
-def _with_ids(msg: dict, **ids: Any) -> dict:
+def with_ids(msg: dict, **ids: Any) -> dict:
     """`msg` with the given ids (context_id, event_id, param) that are not None."""
     msg.update((k, v) for k, v in ids.items() if v is not None)
     return msg

@@ -19,7 +19,7 @@ from engine import ContextDone
 from server.audio.encoders import MODEL_RATE, AudioPacket
 from server.logs import context_logger, current_trace
 from server.options import ContextOptions
-from server.protocol import ws_error
+from server.protocol import with_ids, ws_error
 from server.stream import ContextStream
 from server.ws.outbox import Outbox, OutItem, dumps
 from voicelane_wire import pack_frame
@@ -80,11 +80,9 @@ class WsContext:
     def release_flushes(self) -> None:
         while self.flushes and self.flushes[0][0] < self.stream.segments_done:
             seg, fid, eid = self.flushes.popleft()
-            msg: dict[str, Any] = {"type": "flushed", "context_id": self.id, "flush_id": fid,
-                                   "audio_end_ms": round(self.segment_end_ms.get(seg, 0.0), 3)}
-            if eid is not None:
-                msg["event_id"] = eid
-            self.out.put(OutItem(dumps(msg), owner=self, purgeable=True))
+            msg = {"type": "flushed", "context_id": self.id, "flush_id": fid,
+                   "audio_end_ms": round(self.segment_end_ms.get(seg, 0.0), 3)}
+            self.out.put(OutItem(dumps(with_ids(msg, event_id=eid)), owner=self, purgeable=True))
 
     def report_playback(self, played_ms: float, state: str, buffered_ms: float | None = None) -> None:
         """The client's listener timeline -> the engine's context timeline (which counts trimmed silence and not
@@ -200,17 +198,14 @@ class WsContext:
                    "frames": self.stream.frames,
                    "trimmed_ms": round(self.audio.trimmed_samples * 1000.0 / MODEL_RATE, 3),
                    "codes_sha256": self.stream.codes.hexdigest()}
-            if self.close_event_id is not None:
-                msg["event_id"] = self.close_event_id
-            return dumps(msg)
+            return dumps(with_ids(msg, event_id=self.close_event_id))
 
         self.out.put(OutItem(render=render, owner=self))
         self.out.context_ended(self, reason)
 
     def cancel(self, played_ms: float | None, event_id: Any) -> None:
         """Barge-in: stop now, drop queued text and unsent audio, answer context.cancelled."""
-        self.cancelled = self.ended = True
-        self._stop()
+        self.abandon()
         self.out.purge(self)
         self.flushes.clear()
         if played_ms is None:
@@ -222,9 +217,7 @@ class WsContext:
         msg = {"type": "context.cancelled", "context_id": self.id,
                "generated_ms": round(self.stream.generated_samples * 1000.0 / MODEL_RATE, 3),
                "sent_ms": round(self.sent_end_ms, 3), "played_ms": round(played_ms, 3)}
-        if event_id is not None:
-            msg["event_id"] = event_id
-        self.out.put(OutItem(dumps(msg), owner=self))
+        self.out.put(OutItem(dumps(with_ids(msg, event_id=event_id)), owner=self))
         self.out.context_ended(self, "cancelled")
 
     def abandon(self) -> None:

@@ -54,6 +54,7 @@ from server.protocol import (
     parse_envelope,
     parse_json_object,
     parse_played_map,
+    with_ids,
     ws_error,
     ws_warning,
 )
@@ -346,9 +347,7 @@ class WsSession:
                                    event_id=event_id))
 
     def _reply(self, msg: dict, event_id: Any) -> None:
-        if event_id is not None:
-            msg["event_id"] = event_id
-        self.out.send(msg)
+        self.out.send(with_ids(msg, event_id=event_id))
 
     def _lookup(self, body: dict, *, for_text: bool = False, ended_ok: bool = False) -> WsContext | None:
         """The open context named by `context_id`. An ended one is context_closed (None with `ended_ok`); an unknown
