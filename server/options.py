@@ -32,10 +32,6 @@ class OutputFormat:
     def is_opus(self) -> bool:
         return self.encoding == "opus"
 
-    @property
-    def clock_rate(self) -> int:
-        return 48000 if self.is_opus else self.sample_rate
-
     def to_dict(self) -> dict:
         d: dict[str, Any] = {"encoding": self.encoding, "sample_rate": self.sample_rate, "channels": self.channels}
         if self.is_opus:

@@ -79,8 +79,6 @@ class OpusStreamEncoder:
         self._enc.bitrate = bitrate
         self._enc.complexity = complexity
         self._enc.vbr = 1
-        self.input_sample_rate = sample_rate
-        self.bitrate = bitrate
         self._scale = 48000 // sample_rate
         self.frame_size = sample_rate // 50  # 20 ms
         self.lookahead = int(self._enc.lookahead)  # input-rate samples

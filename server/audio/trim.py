@@ -60,7 +60,6 @@ class LeadingSilenceTrimmer:
     ) -> None:
         if sample_rate <= 0:
             raise ValueError("sample_rate must be positive")
-        self.sample_rate = sample_rate
         self.preroll = max(0, round(sample_rate * preroll_ms / 1000.0))
         self.window = max(1, round(sample_rate * window_ms / 1000.0))
         self.hop = max(1, round(sample_rate * hop_ms / 1000.0))
