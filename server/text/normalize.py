@@ -287,18 +287,14 @@ class LlmTextNormalizer:
             if k == n and not eof:
                 return _NEED
             if (k == n or buf[k] in "\r\n") and count >= 3:
-                self._pos = k  # the line break itself is handled inline
-                self._state = "inline"
-                return None
+                return self._inline_from(k)  # the line break itself is handled inline
         if c == "#":
             run = _run_length(buf, j, "#")
             if j + run == n and not eof:
                 return _NEED
             if run <= 6 and (j + run == n or buf[j + run] in " \t\r\n"):
-                self._pos = j + run
-                self._state = "inline"
                 self._heading = True
-                return None
+                return self._inline_from(j + run)
         elif c == ">":
             self._pos = j + 1
             return None  # still at a line start: quotes nest, and may hold lists or headings
@@ -315,9 +311,7 @@ class LlmTextNormalizer:
                         return _NEED
                     if _is_task_box(box) or (len(box) == 3 and eof and _is_task_box(box + " ")):
                         k += 3
-                self._pos = k
-                self._state = "inline"
-                return None
+                return self._inline_from(k)
         elif c.isdigit() and c.isascii():
             k = j
             while k < n and buf[k].isascii() and buf[k].isdigit():
@@ -328,11 +322,13 @@ class LlmTextNormalizer:
                 if k + 1 == n and not eof:
                     return _NEED
                 if k + 1 == n or buf[k + 1] in " \t\r\n":
-                    self._pos = k + 1
-                    self._state = "inline"
-                    return None
+                    return self._inline_from(k + 1)
+        return self._inline_from(self._pos)
+
+    def _inline_from(self, pos: int) -> None:
+        """The line's block markers (if any) end before `pos`: the rest of the line is inline text."""
+        self._pos = pos
         self._state = "inline"
-        return None
 
     def _fence_line(self, eof: bool):
         buf, i = self._buf, self._pos
