@@ -34,7 +34,6 @@ class AudioFile:
     ones. Each returns the bytes to send (possibly empty)."""
 
     def __init__(self, response_format: str, output: AudioOutput) -> None:
-        self.response_format = response_format
         self.content_type = CONTENT_TYPES[response_format]
         self.output = output
 
