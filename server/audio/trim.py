@@ -38,14 +38,7 @@ _EMPTY = np.zeros(0, dtype=np.float32)
 class LeadingSilenceTrimmer:
     """Per-segment, streaming. Feed float32 mono chunks of any length with `process()`, call `finish()` at the end
     of the segment, then `reset()` (or make a new object) for the next segment. Not thread-safe: one call at a
-    time per object.
-
-    Attributes (read-only for callers):
-        dropped: samples of this segment dropped so far.
-        onset: sample index in the segment (counted from its first sample) of the refined onset, or None.
-        passing: True once the trimmer passes audio through (onset found, cap reached, or finished).
-        held: samples currently held back.
-    """
+    time per object. Callers read `dropped`, `onset`, `passing` and `held` (see reset())."""
 
     def __init__(
         self,
@@ -79,13 +72,14 @@ class LeadingSilenceTrimmer:
         self._buf_start = 0  # segment index of _buf[0]
         self._next_win = 0  # segment index where the next unevaluated window starts
         self._total = 0  # samples received in this segment
-        self.dropped = 0
-        self.onset: int | None = None
-        self.passing = False
+        self.dropped = 0  # samples of this segment dropped so far
+        self.onset: int | None = None  # the refined onset, counted from the segment's first sample
+        self.passing = False  # audio passes through (onset found, cap reached, or finished)
         self._finished = False
 
     @property
     def held(self) -> int:
+        """Samples held back now."""
         return len(self._buf)
 
     @property
