@@ -139,10 +139,7 @@ class WsSession:
                 if data is None:
                     continue
                 try:
-                    if isinstance(data, bytes):
-                        await self.ws.send_bytes(data)
-                    else:
-                        await self.ws.send_text(data)
+                    await (self.ws.send_bytes if isinstance(data, bytes) else self.ws.send_text)(data)
                 finally:
                     self.out.sent(item)
                 if item.on_sent is not None:
