@@ -199,12 +199,10 @@ class Defaults:
             raise ProtocolError("invalid_field", f"'{param}' must be an object, got {type_name(obj)}", param)
         at = (lambda name: f"{param}.{name}") if param else (lambda name: name)
         d = self
-        if obj.get("voice") is not None:
-            d = replace(d, voice=catalog.voice(obj["voice"], at("voice")))
-        if obj.get("language") is not None:
-            d = replace(d, language=catalog.language(obj["language"], at("language")))
-        if obj.get("output_format") is not None:
-            d = replace(d, output_format=parse_output_format(obj["output_format"], at("output_format")))
+        for name, parse in (("voice", catalog.voice), ("language", catalog.language),
+                            ("output_format", parse_output_format)):
+            if obj.get(name) is not None:
+                d = replace(d, **{name: parse(obj[name], at(name))})
         for name, choices in (("audio_transport", TRANSPORTS), ("text_layout", LAYOUTS),
                               ("text_normalization", NORMALIZATIONS)):
             v = get_str(obj, name, choices=choices, param=at(name))
