@@ -295,16 +295,7 @@ class WsSession:
             if self.ending:
                 continue
             self.last_client_activity = time.monotonic()
-            text = message.get("text")
-            if text is None:
-                self.error(ProtocolError("invalid_json", "binary frames are not accepted; send JSON text frames"))
-                continue
-            try:
-                obj = parse_json_object(text)
-            except ProtocolError as exc:
-                self.error(exc)
-                continue
-            self.handle(obj)
+            self.handle(message.get("text"))
             if self.ending:
                 # a session.close: let the emit task write what is queued and the close
                 await self.finished.wait()
@@ -326,31 +317,34 @@ class WsSession:
             receive.cancel()  # nothing when it is done; when this task is cancelled, the receive ends with it
 
     # ------------------------------------------------------------------ messages
-    def handle(self, obj: dict) -> None:
-        # only ids that are valid may be echoed on the error (a lone surrogate cannot be written as UTF-8)
-        event_id = obj.get("event_id") if is_valid_id(obj.get("event_id")) else None
-        context_id = obj.get("context_id") if is_valid_id(obj.get("context_id")) else None
+    def handle(self, text: str | None) -> None:
+        """One client message (None: a binary frame) to the handler of its type; a failure answers an error."""
+        obj: dict = {}
         try:
+            if text is None:
+                raise ProtocolError("invalid_json", "binary frames are not accepted; send JSON text frames")
+            obj = parse_json_object(text)
             check_unicode(obj)
-            msg_type, msg_event_id = parse_envelope(obj)
-            HANDLERS[msg_type](self, obj, msg_event_id)
-        except ProtocolError as exc:
-            self.error(exc, context_id=context_id, event_id=event_id)
-        except EngineError as exc:
-            self.error(as_protocol_error(exc), context_id=context_id, event_id=event_id)
+            msg_type, event_id = parse_envelope(obj)
+            HANDLERS[msg_type](self, obj, event_id)
+        except (ProtocolError, EngineError) as exc:
+            self.error(as_protocol_error(exc), **_echoable_ids(obj))
         except Exception as exc:  # noqa: BLE001 - a server fault answers `internal`; the socket survives
             log.exception("session %s: internal error handling %r", self.id, obj.get("type"))
-            self.out.send(ws_error("internal", f"server error: {type(exc).__name__}", context_id=context_id,
-                                   event_id=event_id))
+            self.out.send(ws_error("internal", f"server error: {type(exc).__name__}", **_echoable_ids(obj)))
 
     def _reply(self, msg: dict, event_id: Any) -> None:
         self.out.send(with_ids(msg, event_id=event_id))
 
-    def _lookup(self, body: dict, *, for_text: bool = False, ended_ok: bool = False) -> WsContext | None:
+    def _lookup(self, body: dict, *, for_text: bool = False, ended_ok: bool = False,
+                input_param: str | None = None) -> WsContext | None:
         """The open context named by `context_id`. An ended one is context_closed (None with `ended_ok`); an unknown
-        one is unknown_context (None with `for_text`: the text creates it)."""
+        one is unknown_context (None with `for_text`: the text creates it); with `input_param`, one whose input is
+        closed is context_closed naming that param."""
         cid = get_id(body, "context_id")
         ctx = self.contexts.get(cid)
+        if ctx is not None and input_param and ctx.stream.input_closed:
+            raise ProtocolError("context_closed", f"context {cid!r} is closed (context.close was sent)", input_param)
         if ctx is not None or (ended_ok and cid in self.ended_ids):
             return ctx
         if cid in self.ended_ids:
@@ -451,11 +445,9 @@ class WsSession:
             raise ProtocolError("text_too_long", f"{len(text)} characters in one message; limit "
                                 f"{self.limits.max_text_chars_per_message} (limits.max_text_chars_per_message)",
                                 "text")
-        ctx = self._lookup(body, for_text=True)
+        ctx = self._lookup(body, for_text=True, input_param="text")
         if ctx is None:
             ctx = self._create(get_id(body, "context_id"), {}, event_id)
-        if ctx.stream.input_closed:
-            raise ProtocolError("context_closed", f"context {ctx.id!r} is closed (context.close was sent)", "text")
         if ctx.text_chars + len(text) > self.limits.max_text_chars_per_context:
             raise ProtocolError("text_too_long", f"context {ctx.id!r} would pass "
                                 f"{self.limits.max_text_chars_per_context} characters "
@@ -466,16 +458,10 @@ class WsSession:
 
     def on_flush(self, body: dict, event_id: Any) -> None:
         flush_id = get_flush_id(body)
-        ctx = self._lookup(body)
-        if ctx.stream.input_closed:
-            raise ProtocolError("context_closed", f"context {ctx.id!r} is closed (context.close was sent)",
-                                "context_id")
-        ctx.flush(flush_id, event_id)
+        self._lookup(body, input_param="context_id").flush(flush_id, event_id)
 
     def on_context_close(self, body: dict, event_id: Any) -> None:
-        ctx = self._lookup(body)
-        if ctx.stream.input_closed:
-            raise ProtocolError("context_closed", f"context {ctx.id!r} is already closed", "context_id")
+        ctx = self._lookup(body, input_param="context_id")
         ctx.close_event_id = event_id
         ctx.stream.close_input()
 
@@ -520,6 +506,12 @@ class WsSession:
         m.contexts.inc("ws", reason)
         ctx.log.info("context %s ended: %s (frames %d, generated %.0f ms, sent %.0f ms)", ctx.id, reason,
                      ctx.stream.frames, ctx.stream.generated_samples / 24.0, ctx.sent_end_ms)
+
+
+def _echoable_ids(obj: dict) -> dict:
+    """The message's event_id and context_id that its error may echo: valid ids only (a lone surrogate cannot be
+    written as UTF-8)."""
+    return {k: obj[k] for k in ("event_id", "context_id") if is_valid_id(obj.get(k))}
 
 
 # What each client message does (docs/protocol.md 1.1), by its `type` (server.protocol.CLIENT_TYPES).
