@@ -8,7 +8,7 @@ engine series (queue depth, batch sizes, step times per stage, slots, the prompt
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -65,9 +65,6 @@ class Gauge(Counter):
 class Histogram(_Series):
     library_type = prometheus_client.Histogram
 
-    def __init__(self, registry, name, help_, labels=(), buckets: Iterable[float] = TTFA_BUCKETS_S):
-        super().__init__(registry, name, help_, labels, buckets=tuple(buckets))
-
     def observe(self, *labels, value: float) -> None:
         self._child(labels).observe(value)
 
@@ -88,7 +85,8 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = r = prometheus_client.CollectorRegistry(auto_describe=False)
         self.ttfa = Histogram(r, "voicelane_ttfa_seconds", "Server-side time to first audio: a context's first text "
-                              "(HTTP: the request) to its first audio handed to the socket", ("transport",))
+                              "(HTTP: the request) to its first audio handed to the socket", ("transport",),
+                              buckets=TTFA_BUCKETS_S)
         self.active_contexts = Gauge(r, "voicelane_active_contexts", "Contexts open now", ("transport",))
         self.sessions = Gauge(r, "voicelane_ws_sessions", "WebSocket sessions open now")
         self.contexts = Counter(r, "voicelane_contexts_total", "Contexts ended, by how", ("transport", "reason"))
