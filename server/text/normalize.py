@@ -221,14 +221,9 @@ class LlmTextNormalizer:
 
     # ------------------------------------------------------------------ driver
     def _run(self, eof: bool) -> None:
+        steps = {"line": self._line_start, "fence": self._fence_line, "inline": self._inline}
         while self._pos < len(self._buf):
-            if self._state == "line":
-                done = self._line_start(eof)
-            elif self._state == "fence":
-                done = self._fence_line(eof)
-            else:
-                done = self._inline(eof)
-            if done is _NEED:
+            if steps[self._state](eof) is _NEED:
                 return
 
     def _emit(self, text: str) -> None:
