@@ -4,6 +4,7 @@ lifespan that loads the model on a thread (so /health answers at once) and stops
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -83,8 +84,6 @@ async def engine_trace(request: Request) -> Response:
 
 async def test_state(request: Request) -> Response:
     """Test hook (--enable-test-hooks only): what leak tests count, which /metrics does not show."""
-    import asyncio
-
     rt: Runtime = request.app.state.runtime
     return JSONResponse({"tasks": len(asyncio.all_tasks()), "sessions": len(rt.sessions),
                          "http_streams": rt.http_streams,
