@@ -301,18 +301,16 @@ class WsSession:
                 await self.finished.wait()
                 return
 
-    def _until_check(self) -> float | None:
-        """Seconds until the next deadline check; None once the session ends (nothing is checked then)."""
-        return None if self.ending else max(0.0, self._next_check - time.monotonic())
-
     async def _next_message(self) -> dict:
         """The socket's next message; while none comes, the session's deadlines every CHECK_S. The receive is
         waited on, never cancelled, between checks (a message is never lost to a timeout)."""
         receive = asyncio.ensure_future(self.ws.receive())
         try:
-            while not (await asyncio.wait({receive}, timeout=self._until_check()))[0]:
+            while True:  # until the next deadline check; once the session ends nothing is checked: no timeout
+                timeout = None if self.ending else max(0.0, self._next_check - time.monotonic())
+                if (await asyncio.wait({receive}, timeout=timeout))[0]:
+                    return receive.result()
                 self._check_deadlines()
-            return receive.result()
         finally:
             receive.cancel()  # nothing when it is done; when this task is cancelled, the receive ends with it
 
@@ -387,7 +385,10 @@ class WsSession:
                                            max_frames_limit=rt.max_frames,
                                            max_instruction_chars=self.limits.max_text_chars_per_message,
                                            draw_seed=rt.draw_seed)
-            fault = self._fault(body)
+            spec = get_object(body, "test_fault") if rt.config.test_hooks else None  # test hook: (kind, at_frame)
+            fault = None if spec is None else (
+                get_str(spec, "kind", required=True, choices=FAULT_KINDS, param="test_fault.kind"),
+                int(get_number(spec, "at_frame", minimum=0, param="test_fault.at_frame") or 0))
             if rt.draining:
                 raise ProtocolError("overloaded", "the server is draining: open new contexts on another server")
             if len(self.contexts) >= self.limits.max_contexts:
@@ -428,14 +429,6 @@ class WsSession:
                      cid, self.id, opts.voice, opts.language, opts.output_format.encoding, opts.audio_transport,
                      opts.sampling.seed, opts.text_layout)
         return ctx
-
-    def _fault(self, body: dict) -> tuple[str, int] | None:
-        spec = get_object(body, "test_fault") if self.runtime.config.test_hooks else None
-        if spec is None:
-            return None
-        kind = get_str(spec, "kind", required=True, choices=FAULT_KINDS, param="test_fault.kind")
-        at = int(get_number(spec, "at_frame", minimum=0, param="test_fault.at_frame") or 0)
-        return kind, at
 
     def on_text(self, body: dict, event_id: Any) -> None:
         text = get_str(body, "text", required=True)
