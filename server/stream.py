@@ -105,9 +105,6 @@ class ContextStream:
         for i, (ids, words) in enumerate(segments):
             self._end_segment(ids, words, closing=i == len(segments) - 1)
 
-    def is_final(self, segment: int) -> bool:
-        return self.input_closed and self.final_segment == segment
-
     # ------------------------------------------------------------------ audio out
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

@@ -113,7 +113,7 @@ class WsContext:
                     continue
                 seg = ev.segment_done.segment
                 packets = ev.packets
-                final = self.stream.is_final(seg)
+                final = self.stream.input_closed and self.stream.final_segment == seg
                 if final:
                     packets = packets + await self.stream.close_audio()
                     if self.cancelled:
