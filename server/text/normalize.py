@@ -477,7 +477,8 @@ class LlmTextNormalizer:
                 return _NEED
             return self._take(1, buf[i])
         k = i + len(start)
-        while k < n and _url_char(buf[k]):
+        while k < n and not (buf[k].isspace() or buf[k] in '<>"`*' or _is_emoji(buf[k])
+                             or unicodedata.category(buf[k]) == "Cc"):
             k += 1
         if k == n and not eof:
             return _NEED
@@ -495,10 +496,6 @@ def _plain(ch: str, before: str) -> bool:
     if ch in "hHwW" and not _is_alnum(before):
         return False
     return not (ord(ch) in _INVISIBLE or unicodedata.category(ch) == "Cc")
-
-
-def _url_char(ch: str) -> bool:
-    return not (ch.isspace() or ch in '<>"`*' or _is_emoji(ch) or unicodedata.category(ch) == "Cc")
 
 
 def _run_length(buf: str, i: int, ch: str) -> int:
