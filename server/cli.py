@@ -45,13 +45,6 @@ LIMIT_HELP = {"max_unsent_bytes": "bytes of messages and audio queued for a clie
               "message_burst": "messages a socket may send at once before --max-messages-per-s applies"}
 
 
-def _csv(values: list[str] | None) -> tuple[str, ...]:
-    out: list[str] = []
-    for v in values or []:
-        out += [x.strip() for x in v.split(",") if x.strip()]
-    return tuple(out)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="voicelane", description="Real-time TTS server for Qwen3-TTS")
     sub = p.add_subparsers(dest="command", required=True)
@@ -158,8 +151,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
     cfg = ServerConfig(**{name: getattr(a, name) for name in SAME_NAME}, device=device, dtype=dtype, limits=limits,
                        engine=engine, api_keys=Secret(dict.fromkeys(keys)),
                        metrics_key=Secret([a.metrics_key] if a.metrics_key else []),
-                       allowed_origins=_csv(a.allowed_origins), random_seed=a.seed, test_hooks=a.enable_test_hooks,
-                       warmup=not a.no_warmup)
+                       allowed_origins=tuple(o.strip() for v in a.allowed_origins for o in v.split(",") if o.strip()),
+                       random_seed=a.seed, test_hooks=a.enable_test_hooks, warmup=not a.no_warmup)
     cfg.validate()
     check_model_spec(cfg.model)
     return cfg
