@@ -31,23 +31,6 @@ class OpusUnavailableError(RuntimeError):
     """opuslib or the libopus shared library is missing."""
 
 
-def load_opuslib():
-    """Import opuslib, or raise OpusUnavailableError naming the fix."""
-    try:
-        import opuslib  # imported lazily: only Opus streams need libopus
-    except ImportError as exc:
-        raise OpusUnavailableError(
-            "Opus output needs the Python package opuslib: pip install opuslib==3.0.1 "
-            "(and the libopus library: apt-get install libopus0)"
-        ) from exc
-    except Exception as exc:  # opuslib raises a bare Exception when it cannot find libopus
-        raise OpusUnavailableError(
-            f"Opus output needs the libopus shared library, which was not found ({exc}); "
-            "install it: apt-get install libopus0"
-        ) from exc
-    return opuslib
-
-
 @dataclass(frozen=True, slots=True)
 class OpusPacket:
     data: bytes
@@ -75,7 +58,15 @@ class OpusStreamEncoder:
             raise ValueError(f"Opus input rate must be one of {OPUS_RATES}, not {sample_rate}")
         if not 500 <= bitrate <= 512000:
             raise ValueError("Opus bitrate must be within 500..512000 bit/s")
-        self._enc = load_opuslib().Encoder(sample_rate, 1, "audio")
+        try:
+            import opuslib  # imported lazily: only Opus streams need libopus
+        except ImportError as exc:
+            raise OpusUnavailableError("Opus output needs the Python package opuslib: pip install opuslib==3.0.1 "
+                                       "(and the libopus library: apt-get install libopus0)") from exc
+        except Exception as exc:  # opuslib raises a bare Exception when it cannot find libopus
+            raise OpusUnavailableError(f"Opus output needs the libopus shared library, which was not found ({exc}); "
+                                       "install it: apt-get install libopus0") from exc
+        self._enc = opuslib.Encoder(sample_rate, 1, "audio")
         self._enc.bitrate = bitrate
         self._enc.complexity = complexity
         self._enc.vbr = 1
