@@ -558,29 +558,29 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     offered = websocket.scope.get("subprotocols") or []
     await websocket.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
 
-    async def refuse(code: str, message: str, close_code: int) -> None:
+    async def refuse(code: str, message: str, close_code: int | None = None) -> None:
+        """A fatal error, then the close: with the code's own close code (ERRORS) unless another is given."""
         rt.metrics.rejections.inc("ws", code)
         rt.metrics.errors.inc("ws", code)
         try:
             await websocket.send_text(dumps(ws_error(code, message, fatal=True)))
-            await websocket.close(close_code, message[:120])
+            await websocket.close(close_code or ERRORS[code].close_code, message[:120])
         except (RuntimeError, OSError, WebSocketDisconnect):
             pass
 
     headers = websocket.headers
     if not rt.origins.allows(headers.get("origin"), headers.get("host")):
-        return await refuse("origin_not_allowed", "this browser origin is not allowed (--allowed-origins)", 4003)
+        return await refuse("origin_not_allowed", "this browser origin is not allowed (--allowed-origins)")
     if rt.keys.enabled:
         key = bearer_token(headers) or query_token(websocket.scope.get("query_string", b"")) or \
             subprotocol_token(offered)
         if not rt.keys.check(key):
             return await refuse("unauthorized", "a valid API key is required: Authorization: Bearer <key>, "
-                                "?token=<key> or the subprotocol bearer.<key>", 4001)
+                                "?token=<key> or the subprotocol bearer.<key>")
     if rt.engine is None:
-        return await refuse("not_ready", "the model is still loading; retry shortly", 1013)
+        return await refuse("not_ready", "the model is still loading; retry shortly")
     if rt.draining:
         return await refuse("overloaded", "the server is draining; connect to another server", CLOSE_GOING_AWAY)
     if rt.config.max_sessions and len(rt.sessions) >= rt.config.max_sessions:
-        return await refuse("too_many_sessions", f"{rt.config.max_sessions} sessions are open (--max-sessions)",
-                            4029)
+        return await refuse("too_many_sessions", f"{rt.config.max_sessions} sessions are open (--max-sessions)")
     await WsSession(rt, websocket).run()
