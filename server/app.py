@@ -4,6 +4,7 @@ lifespan that loads the model on a thread (so /health answers at once) and stops
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -26,8 +27,7 @@ from server.runtime import Runtime
 from server.ws.session import websocket_endpoint
 
 log = logging.getLogger("voicelane.http")
-_ROOT = Path(__file__).resolve().parent.parent
-DEMO_DIRS = (_ROOT / "client_demo" / "web", _ROOT / "client_demo" / "static", _ROOT / "client_demo")
+DEMO_INDEX = Path(__file__).resolve().parent.parent / "client_demo" / "web" / "index.html"
 
 FALLBACK_PAGE = """<!doctype html><meta charset="utf-8"><title>voicelane</title>
 <style>body{font:15px/1.5 system-ui,sans-serif;max-width:46em;margin:3em auto;padding:0 1em}code{background:#eee;
@@ -35,13 +35,6 @@ padding:0 .3em}</style><h1>voicelane</h1><p>Real-time TTS server for Qwen3-TTS. 
 <ul><li>WebSocket: <code>/v1/tts/ws</code> (protocol voicelane/1)</li>
 <li>HTTP: <code>POST /v1/audio/speech</code>, <code>GET /v1/audio/voices</code>, <code>GET /v1/models</code></li>
 <li><a href="/ready">/ready</a>, <a href="/health">/health</a>, <a href="/metrics">/metrics</a></li></ul>"""
-
-
-def _demo_index() -> Path | None:
-    for d in DEMO_DIRS:
-        if (d / "index.html").is_file():
-            return d / "index.html"
-    return None
 
 
 async def index(request: Request) -> Response:
@@ -91,8 +84,6 @@ async def engine_trace(request: Request) -> Response:
 
 async def test_state(request: Request) -> Response:
     """Test hook (--enable-test-hooks only): what leak tests count, which /metrics does not show."""
-    import asyncio
-
     rt: Runtime = request.app.state.runtime
     return JSONResponse({"tasks": len(asyncio.all_tasks()), "sessions": len(rt.sessions),
                          "http_streams": rt.http_streams,
@@ -167,13 +158,12 @@ def create_app(runtime: Runtime, loader: Callable[[], tuple] | None = None) -> S
     ]
     if runtime.config.test_hooks:
         routes.append(Route("/debug/test/state", test_state))
-    demo = _demo_index()
-    if demo is not None:  # the browser demo (client_demo/): index.html at / and its assets beside it
+    if DEMO_INDEX.is_file():  # the browser demo (client_demo/web): index.html at / and its assets beside it
         async def demo_page(request: Request) -> Response:
-            return FileResponse(demo, headers={"cache-control": "no-cache"})
+            return FileResponse(DEMO_INDEX, headers={"cache-control": "no-cache"})
 
         routes[0] = Route("/", demo_page)
-        routes.append(Mount("/", StaticFiles(directory=demo.parent, html=False), name="demo"))
+        routes.append(Mount("/", StaticFiles(directory=DEMO_INDEX.parent, html=False), name="demo"))
     middleware = [Middleware(RequestLog)]
     cors = runtime.origins.cors_origins()
     if cors:

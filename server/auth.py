@@ -31,12 +31,8 @@ ENV_KEYS = "VOICELANE_API_KEYS"
 
 
 def read_key_file(path: str | os.PathLike) -> list[str]:
-    keys = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            keys.append(line)
-    return keys
+    lines = (line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 def keys_from_env(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -18,7 +19,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from engine import (
     MAX_SLOTS,
@@ -40,20 +41,16 @@ from server.config import Limits, Secret, ServerConfig, ServerConfigError
 from server.logs import setup_logging
 
 log = logging.getLogger("voicelane.server")
-
-
-def _csv(values: list[str] | None) -> tuple[str, ...]:
-    out: list[str] = []
-    for v in values or []:
-        out += [x.strip() for x in v.split(",") if x.strip()]
-    return tuple(out)
+LIMIT_HELP = {"max_unsent_bytes": "bytes of messages and audio queued for a client that does not read; over it: 4009",
+              "max_messages_per_s": "client messages handled per second per socket (0 = off); a faster client is paced",
+              "message_burst": "messages a socket may send at once before --max-messages-per-s applies"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="voicelane", description="Real-time TTS server for Qwen3-TTS")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run the server", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    lim, eng = Limits(), SchedulerConfig()
+    eng = SchedulerConfig()
     g = s.add_argument_group("model")
     g.add_argument("--model", default="tiny-random",
                    help="checkpoint directory, tiny-random (small random model, made once into the cache folder), "
@@ -87,19 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open HTTP connections per client address (0 = unlimited; behind a proxy every client "
                         "shares its address: raise it or use 0)")
     g = s.add_argument_group("per-socket limits")
-    g.add_argument("--max-contexts", type=int, default=lim.max_contexts)
-    g.add_argument("--max-text-chars-per-message", type=int, default=lim.max_text_chars_per_message)
-    g.add_argument("--max-text-chars-per-context", type=int, default=lim.max_text_chars_per_context)
-    g.add_argument("--max-message-bytes", type=int, default=lim.max_message_bytes)
-    g.add_argument("--idle-timeout-s", type=float, default=lim.idle_timeout_s)
-    g.add_argument("--context-idle-timeout-s", type=float, default=lim.context_idle_timeout_s)
-    g.add_argument("--max-unsent-audio-s", type=float, default=lim.max_unsent_audio_s)
-    g.add_argument("--max-unsent-bytes", type=int, default=lim.max_unsent_bytes,
-                   help="bytes of messages and audio queued for a client that does not read; over it: 4009")
-    g.add_argument("--max-messages-per-s", type=float, default=lim.max_messages_per_s,
-                   help="client messages handled per second per socket (0 = off); a faster client is paced")
-    g.add_argument("--message-burst", type=int, default=lim.message_burst,
-                   help="messages a socket may send at once before --max-messages-per-s applies")
+    for f in fields(Limits):  # --max-contexts ... --message-burst: one flag per field, the field's default
+        g.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+                       help=LIMIT_HELP.get(f.name))
     g = s.add_argument_group("engine")
     g.add_argument("--max-frames", type=int, default=EngineConfig().max_frames,
                    help="frames a segment may return (sizes the KV cache)")
@@ -138,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 RANDOM_FRAMES_PER_WORD = 5  # about 2.5 words per second, like real speech
+# flags that keep their ServerConfig field's name
+SAME_NAME = ("model", "host", "port", "max_sessions", "default_voice", "cpu_threads", "drain_timeout_s",
+             "rate_limit_rps", "rate_limit_burst", "http_head_timeout_s", "http_body_timeout_s",
+             "max_connections_per_client", "opus_complexity", "encode_threads", "gil_switch_interval_ms",
+             "log_level")
 
 
 def config_from_args(a: argparse.Namespace) -> ServerConfig:
@@ -159,23 +151,12 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
     engine = EngineConfig(scheduler=sched, max_frames=a.max_frames, max_prompt_tokens=a.max_prompt_tokens,
                           cuda_graphs=a.cuda_graphs, debug_sync=a.debug_sync,
                           prefix_cache_entries=a.prefix_cache_entries, prefix_cache_mib=a.prefix_cache_mib)
-    limits = Limits(max_contexts=a.max_contexts, max_text_chars_per_message=a.max_text_chars_per_message,
-                    max_text_chars_per_context=a.max_text_chars_per_context, max_message_bytes=a.max_message_bytes,
-                    idle_timeout_s=a.idle_timeout_s, context_idle_timeout_s=a.context_idle_timeout_s,
-                    max_unsent_audio_s=a.max_unsent_audio_s, max_unsent_bytes=a.max_unsent_bytes,
-                    max_messages_per_s=a.max_messages_per_s, message_burst=a.message_burst)
-    cfg = ServerConfig(model=a.model, device=device, dtype=dtype, host=a.host, port=a.port, limits=limits,
+    limits = Limits(**{f.name: getattr(a, f.name) for f in fields(Limits)})
+    cfg = ServerConfig(**{name: getattr(a, name) for name in SAME_NAME}, device=device, dtype=dtype, limits=limits,
                        engine=engine, api_keys=Secret(dict.fromkeys(keys)),
                        metrics_key=Secret([a.metrics_key] if a.metrics_key else []),
-                       allowed_origins=_csv(a.allowed_origins), max_sessions=a.max_sessions,
-                       default_voice=a.default_voice, random_seed=a.seed, cpu_threads=a.cpu_threads,
-                       drain_timeout_s=a.drain_timeout_s, rate_limit_rps=a.rate_limit_rps,
-                       rate_limit_burst=a.rate_limit_burst, http_head_timeout_s=a.http_head_timeout_s,
-                       http_body_timeout_s=a.http_body_timeout_s,
-                       max_connections_per_client=a.max_connections_per_client,
-                       opus_complexity=a.opus_complexity, encode_threads=a.encode_threads,
-                       gil_switch_interval_ms=a.gil_switch_interval_ms,
-                       test_hooks=a.enable_test_hooks, log_level=a.log_level, warmup=not a.no_warmup)
+                       allowed_origins=tuple(o.strip() for v in a.allowed_origins for o in v.split(",") if o.strip()),
+                       random_seed=a.seed, test_hooks=a.enable_test_hooks, warmup=not a.no_warmup)
     cfg.validate()
     check_model_spec(cfg.model)
     return cfg
@@ -219,31 +200,28 @@ def freeze_startup_objects() -> tuple[int, float]:
     return gc.get_freeze_count(), full_ms
 
 
-def make_loader(cfg: ServerConfig):
-    def load():
-        from engine import Engine  # its first use imports torch
+def load_engine(cfg: ServerConfig):
+    """The model, loaded, warmed up and started, with its tokenizer (on the loader thread)."""
+    from engine import Engine  # its first use imports torch
 
-        if cfg.device == "cpu":
-            set_cpu_threads(cfg.cpu_threads)
-        t0 = time.monotonic()
-        loaded = load_model(cfg.model, cfg.device, resolve_dtype(cfg.dtype, cfg.device), cfg.random_seed)
-        log.info("model %s loaded in %.1f s on %s (%s)", cfg.model, time.monotonic() - t0, loaded.device,
-                 loaded.dtype)
-        if loaded.random_weights and not is_random(cfg.model):  # else print_config has shown it
-            print(RANDOM_NOTICE.format(model=cfg.model), file=sys.stderr)
-        tokenizer = TextTokenizer.from_dir(loaded.tokenizer_dir)
-        engine = Engine(loaded, cfg.engine)
-        if cfg.warmup:
-            log.info("warm-up: %.2f s", engine.warmup())
-        else:
-            engine.warmed_up = True
-        frozen, full_ms = freeze_startup_objects()
-        log.info("%d start-up objects frozen out of the garbage collector (a full collection of them took %.0f ms)",
-                 frozen, full_ms)
-        engine.start()
-        return engine, tokenizer
-
-    return load
+    if cfg.device == "cpu":
+        set_cpu_threads(cfg.cpu_threads)
+    t0 = time.monotonic()
+    loaded = load_model(cfg.model, cfg.device, resolve_dtype(cfg.dtype, cfg.device), cfg.random_seed)
+    log.info("model %s loaded in %.1f s on %s (%s)", cfg.model, time.monotonic() - t0, loaded.device, loaded.dtype)
+    if loaded.random_weights and not is_random(cfg.model):  # else print_config has shown it
+        print(RANDOM_NOTICE.format(model=cfg.model), file=sys.stderr)
+    tokenizer = TextTokenizer.from_dir(loaded.tokenizer_dir)
+    engine = Engine(loaded, cfg.engine)
+    if cfg.warmup:
+        log.info("warm-up: %.2f s", engine.warmup())
+    else:
+        engine.warmed_up = True
+    frozen, full_ms = freeze_startup_objects()
+    log.info("%d start-up objects frozen out of the garbage collector (a full collection of them took %.0f ms)",
+             frozen, full_ms)
+    engine.start()
+    return engine, tokenizer
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -277,35 +255,27 @@ def serve(cfg: ServerConfig) -> int:
     from server.runtime import Runtime
 
     runtime = Runtime(cfg)
-    app = create_app(runtime, make_loader(cfg))
+    app = create_app(runtime, functools.partial(load_engine, cfg))
     if cfg.gil_switch_interval_ms:
         sys.setswitchinterval(cfg.gil_switch_interval_ms / 1000.0)
     try:
-        import uvloop  # noqa: F401
-
-        loop = "uvloop"
+        import uvloop  # noqa: F401  (uvicorn's "auto" takes it where it is installed)
     except ImportError:
-        loop = "asyncio"
         log.warning("uvloop is not installed: serving on asyncio's own event loop (slower; pip install uvloop)")
-    try:
-        import httptools  # noqa: F401
-
-        http = "httptools"
-    except ImportError:
-        http = "h11"
     from uvicorn.config import HTTP_PROTOCOLS, WS_PROTOCOLS
     from uvicorn.importer import import_from_string
 
     from server.connections import ClientConnections, guarded_protocol
 
     ws = "websockets-sansio" if "websockets-sansio" in WS_PROTOCOLS else "websockets"
-    http_protocol = guarded_protocol(import_from_string(HTTP_PROTOCOLS[http]),
+    # "auto": uvloop and httptools where they are installed, else asyncio and h11
+    http_protocol = guarded_protocol(import_from_string(HTTP_PROTOCOLS["auto"]),
                                      ClientConnections(cfg.max_connections_per_client), cfg.http_head_timeout_s)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, loop=loop, http=http_protocol, ws=ws,
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="auto", http=http_protocol, ws=ws,
                             ws_max_size=cfg.limits.max_message_bytes, ws_per_message_deflate=False,
                             log_config=None, access_log=False, timeout_graceful_shutdown=5,
                             lifespan="on")
-    server = DrainingServer(config, runtime)
+    server = _server_class()(config, runtime)  # a class made lazily: uvicorn is imported only to serve
     runtime.on_load_failure = lambda: setattr(server, "should_exit", True)
     # uvicorn puts back the handlers it found once it stops; the default SIGINT one would turn a Ctrl-C during the
     # rest of the shutdown into a KeyboardInterrupt traceback. Ours only notes it (a third one exits at once).
@@ -389,10 +359,6 @@ def _running_loop():
         return asyncio.get_event_loop()
     except RuntimeError:
         return None
-
-
-def DrainingServer(config, runtime):  # noqa: N802 - a class made lazily (uvicorn is imported only to serve)
-    return _server_class()(config, runtime)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,21 +27,22 @@ class Limits:
     message_burst: int = 1000  # messages a socket may send at once before the rate applies
 
     def validate(self) -> None:
-        for name in ("max_contexts", "max_text_chars_per_message", "max_text_chars_per_context"):
-            if getattr(self, name) < 1:
-                raise ServerConfigError(f"{name} = {getattr(self, name)}; it must be >= 1 "
-                                        f"(--{name.replace('_', '-')})")
-        if self.max_message_bytes < 1024:
-            raise ServerConfigError(f"max_message_bytes = {self.max_message_bytes}; it must be >= 1024")
-        if self.max_unsent_bytes < 1 << 16:
-            raise ServerConfigError(f"max_unsent_bytes = {self.max_unsent_bytes}; it must be >= 65536")
-        if self.max_messages_per_s < 0 or self.message_burst < 1:
-            raise ServerConfigError(f"max_messages_per_s = {self.max_messages_per_s}, message_burst = "
-                                    f"{self.message_burst}; use a rate >= 0 (0 = off) and a burst >= 1")
-        for name in ("idle_timeout_s", "context_idle_timeout_s", "max_unsent_audio_s"):
-            if getattr(self, name) <= 0:
-                raise ServerConfigError(f"{name} = {getattr(self, name)}; it must be > 0 "
-                                        f"(--{name.replace('_', '-')})")
+        _refuse([(getattr(self, n) < 1, f"{n} = {getattr(self, n)}; it must be >= 1 (--{n.replace('_', '-')})")
+                 for n in ("max_contexts", "max_text_chars_per_message", "max_text_chars_per_context")])
+        _refuse([
+            (self.max_message_bytes < 1024, f"max_message_bytes = {self.max_message_bytes}; it must be >= 1024"),
+            (self.max_unsent_bytes < 1 << 16, f"max_unsent_bytes = {self.max_unsent_bytes}; it must be >= 65536"),
+            (self.max_messages_per_s < 0 or self.message_burst < 1, f"max_messages_per_s = {self.max_messages_per_s}, "
+             f"message_burst = {self.message_burst}; use a rate >= 0 (0 = off) and a burst >= 1")])
+        _refuse([(getattr(self, n) <= 0, f"{n} = {getattr(self, n)}; it must be > 0 (--{n.replace('_', '-')})")
+                 for n in ("idle_timeout_s", "context_idle_timeout_s", "max_unsent_audio_s")])
+
+
+def _refuse(rules: list[tuple[bool, str]]) -> None:
+    """ServerConfigError with the message of the first rule whose condition (what is wrong) holds."""
+    for wrong, message in rules:
+        if wrong:
+            raise ServerConfigError(message)
 
 
 class Secret(tuple):
@@ -88,32 +89,22 @@ class ServerConfig:
     def validate(self) -> None:
         self.limits.validate()
         self.engine.validate()
-        if not 0 < self.port < 65536:
-            raise ServerConfigError(f"port = {self.port}; use 1..65535 (--port)")
-        if self.max_sessions < 0:
-            raise ServerConfigError(f"max_sessions = {self.max_sessions}; use 0 (unlimited) or more")
-        if self.rate_limit_rps < 0 or self.rate_limit_burst < 1:
-            raise ServerConfigError(f"rate_limit_rps = {self.rate_limit_rps}, rate_limit_burst = "
-                                    f"{self.rate_limit_burst}; use rps >= 0 (0 = off) and burst >= 1")
-        if self.http_head_timeout_s <= 0 or self.http_body_timeout_s <= 0:
-            raise ServerConfigError(f"http_head_timeout_s = {self.http_head_timeout_s}, http_body_timeout_s = "
-                                    f"{self.http_body_timeout_s}; both must be > 0")
-        if self.max_connections_per_client < 0:
-            raise ServerConfigError(f"max_connections_per_client = {self.max_connections_per_client}; use 0 "
-                                    "(unlimited) or more")
-        if self.drain_timeout_s < 0:
-            raise ServerConfigError(f"drain_timeout_s = {self.drain_timeout_s}; it must be >= 0")
-        if not 0 <= self.opus_complexity <= 10:
-            raise ServerConfigError(f"opus_complexity = {self.opus_complexity}; use 0..10")
-        if self.cpu_threads < 0:
-            raise ServerConfigError(f"cpu_threads = {self.cpu_threads}; use 0 (torch's default) or more")
-        if self.gil_switch_interval_ms < 0:
-            raise ServerConfigError(f"gil_switch_interval_ms = {self.gil_switch_interval_ms}; use 0 (Python's "
-                                    "default) or milliseconds")
-        if self.encode_threads < 1:
-            raise ServerConfigError(f"encode_threads = {self.encode_threads}; it must be >= 1")
-        if len(self.metrics_key) > 1:
-            raise ServerConfigError("give at most one --metrics-key")
+        _refuse([
+            (not 0 < self.port < 65536, f"port = {self.port}; use 1..65535 (--port)"),
+            (self.max_sessions < 0, f"max_sessions = {self.max_sessions}; use 0 (unlimited) or more"),
+            (self.rate_limit_rps < 0 or self.rate_limit_burst < 1, f"rate_limit_rps = {self.rate_limit_rps}, "
+             f"rate_limit_burst = {self.rate_limit_burst}; use rps >= 0 (0 = off) and burst >= 1"),
+            (self.http_head_timeout_s <= 0 or self.http_body_timeout_s <= 0, "http_head_timeout_s = "
+             f"{self.http_head_timeout_s}, http_body_timeout_s = {self.http_body_timeout_s}; both must be > 0"),
+            (self.max_connections_per_client < 0, f"max_connections_per_client = {self.max_connections_per_client}; "
+             "use 0 (unlimited) or more"),
+            (self.drain_timeout_s < 0, f"drain_timeout_s = {self.drain_timeout_s}; it must be >= 0"),
+            (not 0 <= self.opus_complexity <= 10, f"opus_complexity = {self.opus_complexity}; use 0..10"),
+            (self.cpu_threads < 0, f"cpu_threads = {self.cpu_threads}; use 0 (torch's default) or more"),
+            (self.encode_threads < 1, f"encode_threads = {self.encode_threads}; it must be >= 1"),
+            (self.gil_switch_interval_ms < 0, f"gil_switch_interval_ms = {self.gil_switch_interval_ms}; use 0 "
+             "(Python's default) or milliseconds"),
+            (len(self.metrics_key) > 1, "give at most one --metrics-key")])
 
     def describe(self) -> dict:
         """The resolved configuration for printing: keys are counted, never shown."""

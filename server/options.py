@@ -32,10 +32,6 @@ class OutputFormat:
     def is_opus(self) -> bool:
         return self.encoding == "opus"
 
-    @property
-    def clock_rate(self) -> int:
-        return 48000 if self.is_opus else self.sample_rate
-
     def to_dict(self) -> dict:
         d: dict[str, Any] = {"encoding": self.encoding, "sample_rate": self.sample_rate, "channels": self.channels}
         if self.is_opus:
@@ -110,44 +106,14 @@ def parse_sampling(v: Any, param: str = "sampling") -> dict[str, Any]:
         return {}
     if not isinstance(v, dict):
         raise ProtocolError("invalid_field", f"'{param}' must be an object, got {type_name(v)}", param)
-    out: dict[str, Any] = {}
-    for name, ours in SAMPLING_FIELDS.items():
-        out.update(_sampling_value(v, name, ours, f"{param}.{name}"))
-    sub = get_object(v, "subtalker", param=f"{param}.subtalker")
-    if sub is not None:
-        for name, ours in SUBTALKER_FIELDS.items():
-            out.update(_sampling_value(sub, name, ours, f"{param}.subtalker.{name}"))
-    return out
+    out = _sampling_values(v, SAMPLING_FIELDS, param)
+    return out | _sampling_values(get_object(v, "subtalker", param=f"{param}.subtalker") or {}, SUBTALKER_FIELDS,
+                                  f"{param}.subtalker")
 
 
-def _sampling_value(obj: dict, name: str, ours: str, param: str) -> dict[str, Any]:
-    if name not in obj:
-        return {}
-    if obj[name] is None:
-        return {ours: None}
-    if ours in _INT_FIELDS:
-        return {ours: get_int(obj, name, param=param)}
-    return {ours: get_number(obj, name, param=param)}
-
-
-def sampling_to_protocol(d: dict[str, Any]) -> dict[str, Any]:
-    """{SamplingParams field: value} -> the protocol's nested shape (only the fields present)."""
-    out: dict[str, Any] = {}
-    for name, ours in SAMPLING_FIELDS.items():
-        if ours in d:
-            out[name] = d[ours]
-    sub = {name: d[ours] for name, ours in SUBTALKER_FIELDS.items() if ours in d}
-    if sub:
-        out["subtalker"] = sub
-    return out
-
-
-def params_to_protocol(p: SamplingParams, *, seed: bool = False) -> dict[str, Any]:
-    d = {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "repetition_penalty": p.repetition_penalty,
-         "subtalker": {"temperature": p.sub_temperature, "top_k": p.sub_top_k, "top_p": p.sub_top_p}}
-    if seed:
-        d["seed"] = p.seed
-    return d
+def _sampling_values(obj: dict, names: dict[str, str], param: str) -> dict[str, Any]:
+    return {ours: (get_int if ours in _INT_FIELDS else get_number)(obj, name, param=f"{param}.{name}")
+            for name, ours in names.items() if name in obj}
 
 
 def validate_sampling(base: SamplingParams, overrides: dict[str, Any], param: str = "sampling") -> SamplingParams:
@@ -176,22 +142,24 @@ class Catalog:
     languages: tuple[str, ...]  # lower-case names, "auto" first
 
     def voice(self, v: Any, param: str = "voice") -> str:
-        if not isinstance(v, str) or not v.strip():
-            raise ProtocolError("invalid_field", f"'{param}' must be a non-empty string", param)
-        name = v.strip().lower()
+        name = _name(v, param)
         if name not in self.voices:
             raise ProtocolError("unknown_voice", f"unknown voice {v!r}; voices: {', '.join(self.voices)}", param)
         return name
 
     def language(self, v: Any, param: str = "language") -> str:
-        if not isinstance(v, str) or not v.strip():
-            raise ProtocolError("invalid_field", f"'{param}' must be a non-empty string", param)
-        name = v.strip().lower()
+        name = _name(v, param)
         name = LANGUAGE_CODES.get(name, name)
         if name not in self.languages:
             raise ProtocolError("unknown_language", f"unknown language {v!r}; languages: {', '.join(self.languages)} "
                                 "or their ISO 639-1 codes", param)
         return name
+
+
+def _name(v: Any, param: str) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise ProtocolError("invalid_field", f"'{param}' must be a non-empty string", param)
+    return v.strip().lower()
 
 
 # ------------------------------------------------------------------------------------------------ session defaults
@@ -214,39 +182,36 @@ class Defaults:
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams overrides of the server defaults
 
     def to_dict(self, base: SamplingParams) -> dict:
-        shown = params_to_protocol(base)
-        over = sampling_to_protocol(self.sampling)
-        sub = over.pop("subtalker", {})
-        shown.update(over)
-        shown["subtalker"].update(sub)
+        p = replace(base, **self.sampling)  # the overrides were validated when they were set
+        sampling = {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+                    "repetition_penalty": p.repetition_penalty,
+                    "subtalker": {"temperature": p.sub_temperature, "top_k": p.sub_top_k, "top_p": p.sub_top_p}}
+        if "seed" in self.sampling:
+            sampling["seed"] = p.seed
         return {"voice": self.voice, "language": self.language, "output_format": self.output_format.to_dict(),
                 "audio_transport": self.audio_transport, "text_layout": self.text_layout,
-                "text_normalization": self.text_normalization, "sampling": shown}
+                "text_normalization": self.text_normalization, "sampling": sampling}
 
     def updated(self, obj: Any, catalog: Catalog, base: SamplingParams, param: str = "defaults") -> Defaults:
-        """A new Defaults with the fields of `obj` applied, all validated (nothing changes on error)."""
+        """A new Defaults with the fields of `obj` applied, all validated (nothing changes on error). `param` is
+        where `obj` sits in the message; "" for the top level (a context's own fields)."""
         if not isinstance(obj, dict):
             raise ProtocolError("invalid_field", f"'{param}' must be an object, got {type_name(obj)}", param)
+        at = (lambda name: f"{param}.{name}") if param else (lambda name: name)
         d = self
-        if obj.get("voice") is not None:
-            d = replace(d, voice=catalog.voice(obj["voice"], f"{param}.voice"))
-        if obj.get("language") is not None:
-            d = replace(d, language=catalog.language(obj["language"], f"{param}.language"))
-        if obj.get("output_format") is not None:
-            d = replace(d, output_format=parse_output_format(obj["output_format"], f"{param}.output_format"))
+        for name, parse in (("voice", catalog.voice), ("language", catalog.language),
+                            ("output_format", parse_output_format)):
+            if obj.get(name) is not None:
+                d = replace(d, **{name: parse(obj[name], at(name))})
         for name, choices in (("audio_transport", TRANSPORTS), ("text_layout", LAYOUTS),
                               ("text_normalization", NORMALIZATIONS)):
-            v = get_str(obj, name, choices=choices, param=f"{param}.{name}")
+            v = get_str(obj, name, choices=choices, param=at(name))
             if v is not None:
                 d = replace(d, **{name: v})
-        if "sampling" in obj:
-            over = dict(d.sampling)
-            for k, v in parse_sampling(obj["sampling"], f"{param}.sampling").items():
-                if v is None:
-                    over.pop(k, None)
-                else:
-                    over[k] = v
-            validate_sampling(base, over, f"{param}.sampling")
+        if "sampling" in obj:  # a null field unsets that default
+            over = {**d.sampling, **parse_sampling(obj["sampling"], at("sampling"))}
+            over = {k: v for k, v in over.items() if v is not None}
+            validate_sampling(base, over, at("sampling"))
             d = replace(d, sampling=over)
         return d
 
@@ -272,21 +237,11 @@ class ContextOptions:
 def resolve_context_options(obj: dict, defaults: Defaults, catalog: Catalog, base: SamplingParams, *,
                             max_frames_limit: int, max_instruction_chars: int, draw_seed) -> ContextOptions:
     """`context.create` (or an HTTP request) fields over the defaults. `draw_seed()` gives a seed when none is set."""
-    voice = catalog.voice(obj["voice"]) if obj.get("voice") is not None else defaults.voice
-    language = catalog.language(obj["language"]) if obj.get("language") is not None else defaults.language
+    d = defaults.updated(obj, catalog, base, param="")
     instructions = get_str(obj, "instructions", max_chars=max_instruction_chars)
     if instructions is not None and not instructions.strip():
         instructions = None
-    fmt = parse_output_format(obj["output_format"]) if obj.get("output_format") is not None else defaults.output_format
-    transport = get_str(obj, "audio_transport", choices=TRANSPORTS) or defaults.audio_transport
-    layout = get_str(obj, "text_layout", choices=LAYOUTS) or defaults.text_layout
-    norm = get_str(obj, "text_normalization", choices=NORMALIZATIONS) or defaults.text_normalization
-    over = dict(defaults.sampling)
-    for k, v in parse_sampling(obj.get("sampling")).items():
-        if v is None:
-            over.pop(k, None)
-        else:
-            over[k] = v
+    over = dict(d.sampling)
     max_frames = get_int(obj, "max_frames", minimum=1, maximum=max_frames_limit)
     min_frames = get_int(obj, "min_frames", minimum=0)
     if max_frames is not None:
@@ -302,4 +257,5 @@ def resolve_context_options(obj: dict, defaults: Defaults, catalog: Catalog, bas
     if sampling.max_frames > max_frames_limit:
         raise ProtocolError("invalid_field", f"max_frames {sampling.max_frames} is above this server's limit "
                             f"{max_frames_limit}", "max_frames")
-    return ContextOptions(voice, language, instructions, fmt, transport, layout, norm, sampling, seed_given)
+    return ContextOptions(d.voice, d.language, instructions, d.output_format, d.audio_transport, d.text_layout,
+                          d.text_normalization, sampling, seed_given)

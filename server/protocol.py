@@ -72,32 +72,32 @@ class ProtocolError(Exception):
         super().__init__(message)
         self.code, self.message, self.param, self.context_id = code, message, param, context_id
 
-    @property
-    def kind(self) -> ErrorKind:
-        return ERRORS[self.code]
+
+def as_protocol_error(exc: Exception) -> ProtocolError:
+    """A ProtocolError as it is; an engine error (its `code`, message and `param`) as one, `internal` for a code the
+    table lacks."""
+    if isinstance(exc, ProtocolError):
+        return exc
+    code = getattr(exc, "code", None)
+    return ProtocolError(code if code in ERRORS else "internal", str(exc), getattr(exc, "param", None))
 
 
 def ws_error(code: str, message: str, *, context_id: str | None = None, event_id: Any = None,
              param: str | None = None, fatal: bool | None = None) -> dict:
     kind = ERRORS[code]
-    msg: dict[str, Any] = {"type": "error", "code": code, "message": message,
-                           "fatal": kind.fatal if fatal is None else fatal, "retryable": kind.retryable}
-    if context_id is not None:
-        msg["context_id"] = context_id
-    if event_id is not None:
-        msg["event_id"] = event_id
-    if param is not None:
-        msg["param"] = param
-    return msg
+    msg = {"type": "error", "code": code, "message": message, "fatal": kind.fatal if fatal is None else fatal,
+           "retryable": kind.retryable}
+    return with_ids(msg, context_id=context_id, event_id=event_id, param=param)
 
 
 def ws_warning(code: str, message: str, *, context_id: str | None = None, event_id: Any = None) -> dict:
     assert code in WARNINGS
-    msg: dict[str, Any] = {"type": "warning", "code": code, "message": message}
-    if context_id is not None:
-        msg["context_id"] = context_id
-    if event_id is not None:
-        msg["event_id"] = event_id
+    return with_ids({"type": "warning", "code": code, "message": message}, context_id=context_id, event_id=event_id)
+
+
+def with_ids(msg: dict, **ids: Any) -> dict:
+    """`msg` with the given ids (context_id, event_id, param) that are not None."""
+    msg.update((k, v) for k, v in ids.items() if v is not None)
     return msg
 
 
@@ -134,12 +134,6 @@ def is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def check_utf8(text: str, param: str) -> str:
-    if not is_unicode(text):
-        raise ProtocolError("invalid_field", f"'{param}' has a lone surrogate (not valid Unicode)", param)
-    return text
-
-
 def is_unicode(s: str) -> bool:
     """False for a string holding a lone surrogate (JSON lets `\\ud800` through; UTF-8 cannot carry it)."""
     if s.isascii():
@@ -149,10 +143,6 @@ def is_unicode(s: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _path(parent: str, part: str) -> str:
-    return f"{parent}.{part}" if parent else part
 
 
 def lone_surrogate_path(obj: Any) -> str | None:
@@ -169,7 +159,7 @@ def lone_surrogate_path(obj: Any) -> str | None:
             for k, item in v.items():
                 if not is_unicode(k):
                     return path or "(message)"
-                stack.append((_path(path, k[:64]), item))
+                stack.append((f"{path}.{k[:64]}" if path else k[:64], item))
         elif isinstance(v, list):
             stack.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
     return None
@@ -188,97 +178,86 @@ def is_valid_id(v: Any) -> bool:
     return isinstance(v, str) and 0 < len(v) <= MAX_ID_CHARS and is_unicode(v)
 
 
-def get_id(obj: dict, name: str, *, required: bool = True) -> str | None:
-    """A protocol id: a non-empty string of at most 128 code points."""
+def _field(obj: dict, name: str, param: str | None, required: bool, ok, what: str) -> tuple[str, Any]:
+    """(the name errors give the field, its value): None when absent or null (invalid_field when `required`),
+    else a value `ok` accepts (invalid_field: it must be `what`). Lone surrogates are not looked for here: each
+    door runs check_unicode over the whole message where it enters."""
+    param = param or name
     v = obj.get(name)
     if v is None:
         if required:
-            raise ProtocolError("invalid_field", f"'{name}' is required", name)
-        return None
-    if not isinstance(v, str) or not v:
-        raise ProtocolError("invalid_field", f"'{name}' must be a non-empty string, got {type_name(v)}", name)
-    if len(v) > MAX_ID_CHARS:
+            raise ProtocolError("invalid_field", f"'{param}' is required", param)
+    elif not ok(v):
+        raise ProtocolError("invalid_field", f"'{param}' must be {what}, got {type_name(v)}", param)
+    return param, v
+
+
+def get_id(obj: dict, name: str, *, required: bool = True) -> str | None:
+    """A protocol id: a non-empty string of at most 128 code points."""
+    _, v = _field(obj, name, None, required, lambda v: isinstance(v, str) and v, "a non-empty string")
+    if v is not None and len(v) > MAX_ID_CHARS:
         raise ProtocolError("invalid_field", f"'{name}' is longer than {MAX_ID_CHARS} characters", name)
-    return check_utf8(v, name)
+    return v
 
 
 def get_flush_id(obj: dict) -> str | int | None:
     """`flush_id`: a string id or an integer, echoed as given."""
     v = obj.get("flush_id")
-    if v is None:
-        return None
-    if isinstance(v, int) and not isinstance(v, bool):
+    if v is None or _is_int(v):
         return v
     return get_id(obj, "flush_id")
 
 
 def get_str(obj: dict, name: str, *, required: bool = False, choices: tuple[str, ...] | None = None,
             max_chars: int | None = None, param: str | None = None) -> str | None:
-    param = param or name
-    v = obj.get(name)
+    param, v = _field(obj, name, param, required, lambda v: isinstance(v, str), "a string")
     if v is None:
-        if required:
-            raise ProtocolError("invalid_field", f"'{param}' is required", param)
         return None
-    if not isinstance(v, str):
-        raise ProtocolError("invalid_field", f"'{param}' must be a string, got {type_name(v)}", param)
     if choices is not None and v not in choices:
         raise ProtocolError("invalid_field", f"'{param}' is {v!r}; one of {', '.join(choices)}", param)
     if max_chars is not None and len(v) > max_chars:
         raise ProtocolError("invalid_field", f"'{param}' is longer than {max_chars} characters", param)
-    return check_utf8(v, param)
+    return v
+
+
+def _at_least(v: float, minimum: float | None, param: str) -> None:
+    if minimum is not None and v < minimum:
+        raise ProtocolError("invalid_field", f"'{param}' must be >= {minimum}, got {v}", param)
 
 
 def get_number(obj: dict, name: str, *, required: bool = False, minimum: float | None = None,
                param: str | None = None) -> float | None:
-    param = param or name
-    v = obj.get(name)
+    param, v = _field(obj, name, param, required, is_number, "a finite number")
     if v is None:
-        if required:
-            raise ProtocolError("invalid_field", f"'{param}' is required", param)
         return None
-    if not is_number(v):
-        raise ProtocolError("invalid_field", f"'{param}' must be a finite number, got {type_name(v)}", param)
-    if minimum is not None and v < minimum:
-        raise ProtocolError("invalid_field", f"'{param}' must be >= {minimum}, got {v}", param)
+    _at_least(v, minimum, param)
     return float(v)
 
 
 def get_int(obj: dict, name: str, *, minimum: int | None = None, maximum: int | None = None,
             param: str | None = None) -> int | None:
-    param = param or name
-    v = obj.get(name)
+    """An integer; a float with an integral value (3.0) is taken as one."""
+    param, v = _field(obj, name, param, False, lambda v: _is_int(v) or (isinstance(v, float) and v.is_integer()),
+                      "an integer")
     if v is None:
         return None
-    if isinstance(v, float) and v.is_integer() and math.isfinite(v):
-        v = int(v)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise ProtocolError("invalid_field", f"'{param}' must be an integer, got {type_name(v)}", param)
-    if minimum is not None and v < minimum:
-        raise ProtocolError("invalid_field", f"'{param}' must be >= {minimum}, got {v}", param)
+    v = int(v)
+    _at_least(v, minimum, param)
     if maximum is not None and v > maximum:
         raise ProtocolError("invalid_field", f"'{param}' must be <= {maximum}, got {v}", param)
     return v
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def get_bool(obj: dict, name: str, *, param: str | None = None) -> bool | None:
-    param = param or name
-    v = obj.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, bool):
-        raise ProtocolError("invalid_field", f"'{param}' must be true or false, got {type_name(v)}", param)
-    return v
+    return _field(obj, name, param, False, lambda v: isinstance(v, bool), "true or false")[1]
 
 
 def get_object(obj: dict, name: str, *, param: str | None = None) -> dict | None:
-    param = param or name
-    v = obj.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise ProtocolError("invalid_field", f"'{param}' must be an object, got {type_name(v)}", param)
-    return v
+    return _field(obj, name, param, False, lambda v: isinstance(v, dict), "an object")[1]
 
 
 # ------------------------------------------------------------------------------------------------ client messages
@@ -288,27 +267,14 @@ CLIENT_TYPES = ("session.update", "context.create", "text", "flush", "context.cl
 PLAYBACK_STATES = ("buffering", "playing", "underrun", "finished")
 
 
-@dataclass(frozen=True)
-class Envelope:
-    type: str
-    event_id: str | None
-    body: dict
-
-
-def parse_envelope(obj: dict) -> Envelope:
+def parse_envelope(obj: dict) -> tuple[str, str | None]:
     """`type` and `event_id` of any client message (the rest is read by the handler of that type)."""
-    event_id = None
-    if obj.get("event_id") is not None:
-        event_id = get_id(obj, "event_id")
-    t = obj.get("type")
-    if t is None:
-        raise ProtocolError("invalid_field", "'type' is required", "type")
-    if not isinstance(t, str):
-        raise ProtocolError("invalid_field", f"'type' must be a string, got {type_name(t)}", "type")
+    event_id = get_id(obj, "event_id", required=False)
+    t = get_str(obj, "type", required=True)
     if t not in CLIENT_TYPES:
         raise ProtocolError("unknown_type", f"unknown message type {t[:64]!r}; one of {', '.join(CLIENT_TYPES)}",
                             "type")
-    return Envelope(t, event_id, obj)
+    return t, event_id
 
 
 def parse_played_map(v: Any) -> dict[str, float]:

@@ -29,8 +29,8 @@ log = logging.getLogger("voicelane.server")
 
 
 class DrainableSession(Protocol):
-    """What the runtime asks of an open WebSocket session (server.gateway.WsSession; not imported, since the gateway
-    imports this module)."""
+    """What the runtime asks of an open WebSocket session (server.ws.session.WsSession; not imported, since that
+    module imports this one)."""
 
     def on_drain(self, deadline_s: float) -> None: ...
 

@@ -84,40 +84,29 @@ class ContextStream:
         if ids:
             self.ectx.append_text(ids)
 
-    def _segment_ended(self, seg: int | None) -> None:
+    def _end_segment(self, ids: list[int], words: int, closing: bool) -> None:
+        """The segment's last ids to the engine, then its end (`closing`: the end of the input too)."""
+        if ids:
+            self.ectx.append_text(ids)
+        seg = (self.ectx.close if closing else self.ectx.flush)(words)
         if seg is not None:
             self.last_segment = seg
+        if closing:
+            self.input_closed = True
+            self.final_segment = self.last_segment if self.last_segment >= self.segments_done else None
 
     def flush(self) -> int:
         """Ends the segment; returns the index of the last segment ended so far."""
-        ids, words = self.text.finish(closing=False)
-        if ids:
-            self.ectx.append_text(ids)
-        self._segment_ended(self.ectx.flush(words))
+        self._end_segment(*self.text.finish(closing=False), closing=False)
         return self.last_segment
 
     def close_input(self) -> None:
-        ids, words = self.text.finish()
-        if ids:
-            self.ectx.append_text(ids)
-        self._close_segment(words)
-
-    def _close_segment(self, words: int) -> None:
-        self._segment_ended(self.ectx.close(words))
-        self.input_closed = True
-        self.final_segment = self.last_segment if self.last_segment >= self.segments_done else None
+        self._end_segment(*self.text.finish(), closing=True)
 
     def add_segments(self, segments: list[tuple[list[int], int]]) -> None:
         """Whole segments (ids, words); the last one closes the input."""
         for i, (ids, words) in enumerate(segments):
-            self.ectx.append_text(ids)
-            if i < len(segments) - 1:
-                self._segment_ended(self.ectx.flush(words))
-            else:
-                self._close_segment(words)
-
-    def is_final(self, segment: int) -> bool:
-        return self.input_closed and self.final_segment == segment
+            self._end_segment(ids, words, closing=i == len(segments) - 1)
 
     # ------------------------------------------------------------------ audio out
     async def _run(self, fn, *args):

@@ -1,15 +1,7 @@
-"""Everything between the model's float PCM (24 kHz mono float32) and the bytes that leave the server.
-
-- trim: LeadingSilenceTrimmer, per segment (docs/protocol.md 1.7).
-- pcm: s16le / f32le / mu-law conversions, streaming-exact Resampler, PcmEncoder.
-- opus: OpusStreamEncoder (opuslib; needs libopus0), OpusPacket, OpusUnavailableError.
-- ogg: OggOpusWriter (RFC 7845) and Ogg helpers.
-- mp3: Mp3StreamEncoder (lameenc).
-- wav: wav_header (streaming 0xFFFFFFFF sizes or exact), WavWriter, write_wav.
-- the 16-byte binary audio frame header (docs/protocol.md 1.3), re-exported from voicelane_wire.
-- encoders: AudioPacket and one output per encoding (PcmOutput, OpusOutput, Mp3Output), for both doors.
-- containers: the HTTP response formats as files around an output (AudioFile, open_audio_file).
-- stream: AudioStream, one context's trimming and output.
+"""Everything between the model's float PCM (24 kHz mono float32) and the bytes that leave the server: silence
+trimming per segment (trim), PCM conversions and resampling (pcm), Opus, Ogg Opus and MP3 (opus, ogg, mp3), one
+output per encoding for both doors (encoders), the HTTP response files and their WAV header (containers), one
+context's trimming and output (stream); and the binary frame header, re-exported from voicelane_wire.
 
 Codec libraries are imported only when an encoder that needs them is built, so this package imports without them.
 """
@@ -25,7 +17,7 @@ from voicelane_wire import (
     unpack_frame,
 )
 
-from .containers import CONTENT_TYPES, HTTP_FORMATS, AudioFile, open_audio_file
+from .containers import CONTENT_TYPES, HTTP_FORMATS, AudioFile, open_audio_file, wav_header
 from .encoders import AudioOutput, AudioPacket, Mp3Output, OpusOutput, PcmOutput
 from .mp3 import Mp3StreamEncoder, Mp3UnavailableError
 from .ogg import OggOpusWriter, opus_packet_samples
@@ -44,13 +36,12 @@ from .pcm import (
 )
 from .stream import AudioStream
 from .trim import LeadingSilenceTrimmer
-from .wav import WavWriter, wav_header, write_wav
 
 __all__ = [
     "CONTENT_TYPES", "FLAG_FIRST", "FLAG_LAST", "FLAG_SEGMENT_START", "HEADER_SIZE", "HTTP_FORMATS", "PCM_ENCODINGS",
     "AudioFile", "AudioOutput", "AudioPacket", "AudioStream", "FrameHeader", "LeadingSilenceTrimmer", "Mp3Output",
     "Mp3StreamEncoder", "Mp3UnavailableError", "OggOpusWriter", "OpusOutput", "OpusPacket", "OpusStreamEncoder",
-    "OpusUnavailableError", "PcmEncoder", "PcmOutput", "Resampler", "WavWriter", "float_to_f32le", "float_to_mulaw",
+    "OpusUnavailableError", "PcmEncoder", "PcmOutput", "Resampler", "float_to_f32le", "float_to_mulaw",
     "float_to_s16", "float_to_s16le", "mulaw_to_s16", "open_audio_file", "opus_packet_samples", "pack_frame",
-    "pack_header", "s16_to_float", "s16_to_mulaw", "unpack_frame", "wav_header", "write_wav",
+    "pack_header", "s16_to_float", "s16_to_mulaw", "unpack_frame", "wav_header",
 ]

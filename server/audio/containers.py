@@ -5,12 +5,28 @@ pages, then one page per call that has packets, and the last packets on the EOS 
 
 from __future__ import annotations
 
+import struct
+
 from .encoders import MODEL_RATE, AudioOutput, AudioPacket, Mp3Output, OpusOutput, PcmOutput
 from .ogg import OggOpusWriter
-from .wav import wav_header
 
-HTTP_FORMATS = ("mp3", "opus", "wav", "pcm")
+HTTP_FORMATS = ("mp3", "pcm", "wav", "opus")
 CONTENT_TYPES = {"mp3": "audio/mpeg", "opus": "audio/ogg", "wav": "audio/wav", "pcm": "audio/pcm"}
+UNKNOWN_SIZE = 0xFFFFFFFF
+
+
+def wav_header(sample_rate: int = 24000, *, num_samples: int | None = None) -> bytes:
+    """The canonical 44-byte header of a 16-bit mono PCM WAV (RIFF) file. num_samples=None: the streaming header of
+    docs/protocol.md 2, RIFF and data sizes 0xFFFFFFFF (length unknown); else exact sizes for that many samples."""
+    if num_samples is None:
+        riff_size = data_size = UNKNOWN_SIZE
+    else:
+        data_size = num_samples * 2
+        if data_size + 36 > UNKNOWN_SIZE - 1:
+            raise ValueError("too many samples for a RIFF WAV file")
+        riff_size = 36 + data_size
+    fmt = struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)  # PCM, mono, 2 bytes a sample
+    return b"RIFF" + struct.pack("<I", riff_size) + b"WAVE" + b"fmt " + fmt + b"data" + struct.pack("<I", data_size)
 
 
 class AudioFile:
@@ -18,7 +34,6 @@ class AudioFile:
     ones. Each returns the bytes to send (possibly empty)."""
 
     def __init__(self, response_format: str, output: AudioOutput) -> None:
-        self.response_format = response_format
         self.content_type = CONTENT_TYPES[response_format]
         self.output = output
 
@@ -61,8 +76,7 @@ class OggOpusFile(AudioFile):
         return self.writer.write([p.payload for p in packets], last=True, end_granule=self.output.end_sample)
 
 
-def open_audio_file(response_format: str, *, opus_complexity: int = 10, opus_bitrate: int = 32000,
-                    mp3_bitrate_kbps: int = 64) -> AudioFile:
+def open_audio_file(response_format: str, *, opus_complexity: int = 10) -> AudioFile:
     """`response_format` is one of HTTP_FORMATS; ValueError otherwise. Raises OpusUnavailableError or
     Mp3UnavailableError (RuntimeError) when the codec library is missing."""
     if response_format == "pcm":
@@ -70,7 +84,7 @@ def open_audio_file(response_format: str, *, opus_complexity: int = 10, opus_bit
     if response_format == "wav":
         return WavFile("wav", PcmOutput())
     if response_format == "opus":
-        return OggOpusFile(OpusOutput(opus_bitrate, complexity=opus_complexity))
+        return OggOpusFile(OpusOutput(complexity=opus_complexity))
     if response_format == "mp3":
-        return AudioFile("mp3", Mp3Output(mp3_bitrate_kbps))
+        return AudioFile("mp3", Mp3Output())
     raise ValueError(f"unknown response_format {response_format!r}; expected one of {HTTP_FORMATS}")

@@ -59,18 +59,17 @@ class PcmOutput(_Closable):
         self.clock_rate = sample_rate
         self.cheap = sample_rate == MODEL_RATE  # no resampling: a cast of the samples
 
-    def _packet(self, data: bytes, start: int) -> list[AudioPacket]:
+    def _packets(self, call: str, pcm_call, *args) -> list[AudioPacket]:
+        self._check_open(call)
+        start = self._pcm.samples_out
+        data = pcm_call(*args)
         return [AudioPacket(data, start, len(data) // self._pcm.bytes_per_sample)] if data else []
 
     def encode(self, x: np.ndarray) -> list[AudioPacket]:
-        self._check_open("encode")
-        start = self._pcm.samples_out
-        return self._packet(self._pcm.encode(x), start)
+        return self._packets("encode", self._pcm.encode, x)
 
     def flush(self) -> list[AudioPacket]:
-        self._check_open("flush")
-        start = self._pcm.samples_out
-        return self._packet(self._pcm.finish(), start)
+        return self._packets("flush", self._pcm.finish)
 
     @property
     def audio_end_ms(self) -> float:

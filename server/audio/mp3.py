@@ -20,14 +20,6 @@ class Mp3UnavailableError(RuntimeError):
     """The lameenc package is missing."""
 
 
-def _load_lameenc():
-    try:
-        import lameenc
-    except ImportError as exc:
-        raise Mp3UnavailableError("MP3 output needs the Python package lameenc: pip install lameenc==1.9.0") from exc
-    return lameenc
-
-
 class Mp3StreamEncoder:
     """float32 mono -> MP3 bytes. encode(x) -> bytes (possibly empty); finish() -> the last bytes; later calls
     raise."""
@@ -35,7 +27,11 @@ class Mp3StreamEncoder:
     def __init__(self, sample_rate: int = 24000, *, bitrate_kbps: int = 64, quality: int = 5) -> None:
         if sample_rate not in MP3_RATES:
             raise ValueError(f"MP3 sample rate must be one of {MP3_RATES}")
-        lameenc = _load_lameenc()
+        try:
+            import lameenc
+        except ImportError as exc:
+            raise Mp3UnavailableError("MP3 output needs the Python package lameenc: "
+                                      "pip install lameenc==1.9.0") from exc
         enc = lameenc.Encoder()
         enc.set_in_sample_rate(sample_rate)
         enc.set_out_sample_rate(sample_rate)
@@ -43,9 +39,6 @@ class Mp3StreamEncoder:
         enc.set_bit_rate(bitrate_kbps)
         enc.set_quality(quality)  # 2 best .. 7 fastest
         self._enc = enc
-        self.sample_rate = sample_rate
-        self.bitrate_kbps = bitrate_kbps
-        self.samples_in = 0
         self._closed = False
 
     def encode(self, x: np.ndarray) -> bytes:
@@ -54,7 +47,6 @@ class Mp3StreamEncoder:
         s = float_to_s16(x)
         if len(s) == 0:
             return b""
-        self.samples_in += len(s)
         return bytes(self._enc.encode(s.astype("<i2", copy=False).tobytes()))
 
     def finish(self) -> bytes:

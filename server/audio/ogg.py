@@ -24,7 +24,6 @@ _CRC_TABLE = tuple(_CRC_TABLE)
 
 _PAGE_HEADER = struct.Struct("<4sBBqIIIB")  # capture, version, type, granule, serial, seq, crc, n_segments
 
-FLAG_CONTINUED = 0x01
 FLAG_BOS = 0x02
 FLAG_EOS = 0x04
 
@@ -38,33 +37,7 @@ def ogg_crc(data: bytes) -> int:
     return crc
 
 
-def build_page(packets: list[bytes], *, serial: int, seq: int, granule: int, flags: int = 0) -> bytes:
-    """One Ogg page holding whole packets (their lacing values must fit in 255 segments)."""
-    lacing = bytearray()
-    for p in packets:
-        n = len(p)
-        lacing += b"\xff" * (n // 255) + bytes((n % 255,))
-    if len(lacing) > 255:
-        raise ValueError("packets need more than 255 lacing values for one page")
-    header = _PAGE_HEADER.pack(b"OggS", 0, flags, granule, serial, seq, 0, len(lacing))
-    page = bytearray(header + lacing + b"".join(packets))
-    struct.pack_into("<I", page, 22, ogg_crc(page))
-    return bytes(page)
-
-
-def opus_head(pre_skip: int, input_sample_rate: int = 24000, channels: int = 1, output_gain: int = 0) -> bytes:
-    """The 19-byte OpusHead of RFC 7845 5.1 (version 1, channel mapping family 0)."""
-    return b"OpusHead" + struct.pack("<BBHIhB", 1, channels, pre_skip, input_sample_rate, output_gain, 0)
-
-
-def opus_tags(vendor: str = "voicelane", comments: Iterable[str] = ()) -> bytes:
-    v = vendor.encode("utf-8")
-    out = bytearray(b"OpusTags" + struct.pack("<I", len(v)) + v)
-    cs = [c.encode("utf-8") for c in comments]
-    out += struct.pack("<I", len(cs))
-    for c in cs:
-        out += struct.pack("<I", len(c)) + c
-    return bytes(out)
+OPUS_TAGS = b"OpusTags" + struct.pack("<I", 9) + b"voicelane" + struct.pack("<I", 0)  # RFC 7845 5.2: no comments
 
 
 def opus_packet_samples(packet: bytes) -> int:
@@ -102,38 +75,35 @@ class OggOpusWriter:
         can then only be the current one: pass the last packets with last=True to trim the end).
     """
 
-    def __init__(
-        self,
-        pre_skip: int,
-        *,
-        input_sample_rate: int = 24000,
-        channels: int = 1,
-        serial: int | None = None,
-        vendor: str = "voicelane",
-        comments: Iterable[str] = (),
-    ) -> None:
+    def __init__(self, pre_skip: int, *, input_sample_rate: int = 24000, serial: int | None = None) -> None:
         self.pre_skip = pre_skip
         self.input_sample_rate = input_sample_rate
-        self.channels = channels
         self.serial = int.from_bytes(os.urandom(4), "little") if serial is None else serial & 0xFFFFFFFF
-        self.vendor = vendor
-        self.comments = tuple(comments)
         self._seq = 0
         self.granule = 0  # decoder-clock samples through the last packet written
         self._headers_done = False
         self.closed = False
 
     def _page(self, packets: list[bytes], granule: int, flags: int = 0) -> bytes:
-        page = build_page(packets, serial=self.serial, seq=self._seq, granule=granule, flags=flags)
+        """The next page, holding whole packets (their lacing values must fit in 255 segments)."""
+        lacing = bytearray()
+        for p in packets:
+            lacing += b"\xff" * (len(p) // 255) + bytes((len(p) % 255,))
+        if len(lacing) > 255:
+            raise ValueError("packets need more than 255 lacing values for one page")
+        header = _PAGE_HEADER.pack(b"OggS", 0, flags, granule, self.serial, self._seq, 0, len(lacing))
+        page = bytearray(header + lacing + b"".join(packets))
+        struct.pack_into("<I", page, 22, ogg_crc(page))
         self._seq += 1
-        return page
+        return bytes(page)
 
     def headers(self) -> bytes:
         if self._headers_done:
             raise RuntimeError("headers() called twice")
         self._headers_done = True
-        head = opus_head(self.pre_skip, self.input_sample_rate, self.channels)
-        return self._page([head], 0, FLAG_BOS) + self._page([opus_tags(self.vendor, self.comments)], 0)
+        # the 19-byte OpusHead of RFC 7845 5.1: version 1, mono, no output gain, channel mapping family 0
+        head = b"OpusHead" + struct.pack("<BBHIhB", 1, 1, self.pre_skip, self.input_sample_rate, 0, 0)
+        return self._page([head], 0, FLAG_BOS) + self._page([OPUS_TAGS], 0)
 
     def write(self, packets: Iterable[bytes], *, last: bool = False, end_granule: int | None = None) -> bytes:
         if self.closed:

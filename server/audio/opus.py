@@ -11,7 +11,7 @@ position of a packet's first sample is `start_sample - pre_skip`.
 
 Application: AUDIO (OPUS_APPLICATION_AUDIO). TTS output is finished audio for a listener, not a live microphone:
 AUDIO favours fidelity (and music-like prosody and breaths) over the VOIP mode's speech-intelligibility
-pre-processing; both have the same lookahead (6.5 ms). "voip" and "restricted_lowdelay" can be chosen.
+pre-processing; both have the same lookahead (6.5 ms).
 
 Cost: about 0.2 ms of one CPU core per 20 ms packet at the default complexity 10 (measured on a shared 2-core
 machine; complexity 5 is about 0.05 ms). Plain synchronous object: run it in a thread pool executor, one call at a
@@ -25,28 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
-_FRAME_MS = (2.5, 5.0, 10.0, 20.0, 40.0, 60.0)
 
 
 class OpusUnavailableError(RuntimeError):
     """opuslib or the libopus shared library is missing."""
-
-
-def load_opuslib():
-    """Import opuslib, or raise OpusUnavailableError naming the fix."""
-    try:
-        import opuslib  # imported lazily: only Opus streams need libopus
-    except ImportError as exc:
-        raise OpusUnavailableError(
-            "Opus output needs the Python package opuslib: pip install opuslib==3.0.1 "
-            "(and the libopus library: apt-get install libopus0)"
-        ) from exc
-    except Exception as exc:  # opuslib raises a bare Exception when it cannot find libopus
-        raise OpusUnavailableError(
-            f"Opus output needs the libopus shared library, which was not found ({exc}); "
-            "install it: apt-get install libopus0"
-        ) from exc
-    return opuslib
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +37,6 @@ class OpusPacket:
     start_sample: int  # on the 48 kHz decoder clock (includes pre_skip), first packet 0
     samples: int  # duration at 48 kHz
     real_samples: int  # how many of `samples`, from the start, are before the end of real audio (48 kHz)
-
-    @property
-    def end_sample(self) -> int:
-        return self.start_sample + self.samples
 
 
 class OpusStreamEncoder:
@@ -73,48 +51,34 @@ class OpusStreamEncoder:
         used.
     finish(): flush() and close; later calls raise. The last packet's `real_samples` says where real audio ends
         (Ogg end trimming: `audio_end` is the final granule position).
-
-    Properties: pre_skip (48 kHz units, from OPUS_GET_LOOKAHEAD), input_sample_rate, bitrate, samples_fed (input-
-    rate samples given to libopus, padding included), held (input samples waiting), audio_end (48 kHz decoder-clock
-    position just after the last real sample flushed so far), next_start_sample (decoder clock of the next packet).
     """
 
-    def __init__(
-        self,
-        sample_rate: int = 24000,
-        *,
-        bitrate: int = 32000,
-        application: str = "audio",
-        frame_ms: float = 20.0,
-        complexity: int = 10,
-        vbr: bool = True,
-    ) -> None:
+    def __init__(self, sample_rate: int = 24000, *, bitrate: int = 32000, complexity: int = 10) -> None:
         if sample_rate not in OPUS_RATES:
             raise ValueError(f"Opus input rate must be one of {OPUS_RATES}, not {sample_rate}")
-        if frame_ms not in _FRAME_MS:
-            raise ValueError(f"Opus frame_ms must be one of {_FRAME_MS}")
         if not 500 <= bitrate <= 512000:
             raise ValueError("Opus bitrate must be within 500..512000 bit/s")
-        if application not in ("audio", "voip", "restricted_lowdelay"):
-            raise ValueError("application must be 'audio', 'voip' or 'restricted_lowdelay'")
-        opuslib = load_opuslib()
-        self._opuslib = opuslib
-        self._enc = opuslib.Encoder(sample_rate, 1, application)
+        try:
+            import opuslib  # imported lazily: only Opus streams need libopus
+        except ImportError as exc:
+            raise OpusUnavailableError("Opus output needs the Python package opuslib: pip install opuslib==3.0.1 "
+                                       "(and the libopus library: apt-get install libopus0)") from exc
+        except Exception as exc:  # opuslib raises a bare Exception when it cannot find libopus
+            raise OpusUnavailableError(f"Opus output needs the libopus shared library, which was not found ({exc}); "
+                                       "install it: apt-get install libopus0") from exc
+        self._enc = opuslib.Encoder(sample_rate, 1, "audio")
         self._enc.bitrate = bitrate
         self._enc.complexity = complexity
-        self._enc.vbr = 1 if vbr else 0
-        self.input_sample_rate = sample_rate
-        self.bitrate = bitrate
-        self.application = application
+        self._enc.vbr = 1
         self._scale = 48000 // sample_rate
-        self.frame_size = int(sample_rate * frame_ms / 1000)
+        self.frame_size = sample_rate // 50  # 20 ms
         self.lookahead = int(self._enc.lookahead)  # input-rate samples
-        self.pre_skip = self.lookahead * self._scale
+        self.pre_skip = self.lookahead * self._scale  # 48 kHz units
         self._held = np.zeros(0, dtype=np.float32)
-        self.samples_fed = 0
+        self.samples_fed = 0  # input-rate samples given to libopus, padding included
         self._real_end = 0  # input clock, just after the last sample given to encode()
-        self.next_start_sample = 0
-        self.audio_end = self.pre_skip
+        self.next_start_sample = 0  # decoder clock of the next packet
+        self.audio_end = self.pre_skip  # decoder clock just after the last real sample flushed so far
         self._closed = False
 
     @property

@@ -117,19 +117,16 @@ class Resampler:
         if in_rate <= 0 or out_rate <= 0:
             raise ValueError("sample rates must be positive")
         g = math.gcd(in_rate, out_rate)
-        self.in_rate, self.out_rate = in_rate, out_rate
         self.up, self.down = out_rate // g, in_rate // g
         self.identity = self.up == self.down == 1
         if not self.identity:
             nyq = min(in_rate, out_rate) / 2.0
             h = _kaiser_lowpass(in_rate * self.up, pass_fraction * nyq, nyq, atten_db, float(self.up))
-            self.taps = len(h)
             self._delay = (len(h) - 1) // 2  # at the upsampled rate
             self._phases = [h[p :: self.up].copy() for p in range(self.up)]
             self._span = max(len(ph) for ph in self._phases)  # input samples one output reads
             self.lookahead = -(-self._delay // self.up)  # input samples needed after an output's instant
         else:
-            self.taps = 1
             self.lookahead = 0
         self.reset()
 
@@ -203,8 +200,9 @@ class Resampler:
 
 # ---------------------------------------------------------------------------------------------- PCM encoder
 
-PCM_ENCODINGS = ("pcm_s16le", "pcm_f32le", "pcm_mulaw")
-_BYTES_PER_SAMPLE = {"pcm_s16le": 2, "pcm_f32le": 4, "pcm_mulaw": 1}
+# encoding -> (bytes a sample, the conversion from float32)
+_ENCODINGS = {"pcm_s16le": (2, float_to_s16le), "pcm_f32le": (4, float_to_f32le), "pcm_mulaw": (1, float_to_mulaw)}
+PCM_ENCODINGS = tuple(_ENCODINGS)
 
 
 class PcmEncoder:
@@ -218,17 +216,11 @@ class PcmEncoder:
     """
 
     def __init__(self, encoding: str = "pcm_s16le", sample_rate: int = 24000, *, input_rate: int = 24000) -> None:
-        if encoding not in _BYTES_PER_SAMPLE:
+        if encoding not in _ENCODINGS:
             raise ValueError(f"unknown PCM encoding {encoding!r}; expected one of {PCM_ENCODINGS}")
-        self.encoding = encoding
-        self.sample_rate = sample_rate
-        self.input_rate = input_rate
-        self.bytes_per_sample = _BYTES_PER_SAMPLE[encoding]
+        self.bytes_per_sample, self._convert = _ENCODINGS[encoding]
         self._resampler = None if sample_rate == input_rate else Resampler(input_rate, sample_rate)
         self.samples_out = 0
-        self._convert = {"pcm_s16le": float_to_s16le, "pcm_f32le": float_to_f32le, "pcm_mulaw": float_to_mulaw}[
-            encoding
-        ]
 
     def encode(self, x: np.ndarray) -> bytes:
         y = np.asarray(x, dtype=np.float32) if self._resampler is None else self._resampler.process(x)

@@ -38,14 +38,7 @@ _EMPTY = np.zeros(0, dtype=np.float32)
 class LeadingSilenceTrimmer:
     """Per-segment, streaming. Feed float32 mono chunks of any length with `process()`, call `finish()` at the end
     of the segment, then `reset()` (or make a new object) for the next segment. Not thread-safe: one call at a
-    time per object.
-
-    Attributes (read-only for callers):
-        dropped: samples of this segment dropped so far.
-        onset: sample index in the segment (counted from its first sample) of the refined onset, or None.
-        passing: True once the trimmer passes audio through (onset found, cap reached, or finished).
-        held: samples currently held back.
-    """
+    time per object. Callers read `dropped`, `onset`, `passing` and `held` (see reset())."""
 
     def __init__(
         self,
@@ -60,7 +53,6 @@ class LeadingSilenceTrimmer:
     ) -> None:
         if sample_rate <= 0:
             raise ValueError("sample_rate must be positive")
-        self.sample_rate = sample_rate
         self.preroll = max(0, round(sample_rate * preroll_ms / 1000.0))
         self.window = max(1, round(sample_rate * window_ms / 1000.0))
         self.hop = max(1, round(sample_rate * hop_ms / 1000.0))
@@ -80,13 +72,14 @@ class LeadingSilenceTrimmer:
         self._buf_start = 0  # segment index of _buf[0]
         self._next_win = 0  # segment index where the next unevaluated window starts
         self._total = 0  # samples received in this segment
-        self.dropped = 0
-        self.onset: int | None = None
-        self.passing = False
+        self.dropped = 0  # samples of this segment dropped so far
+        self.onset: int | None = None  # the refined onset, counted from the segment's first sample
+        self.passing = False  # audio passes through (onset found, cap reached, or finished)
         self._finished = False
 
     @property
     def held(self) -> int:
+        """Samples held back now."""
         return len(self._buf)
 
     @property
@@ -120,13 +113,7 @@ class LeadingSilenceTrimmer:
         if self.passing:
             return out
         # No onset anywhere: the segment is silence. Drop it (up to the cap).
-        keep_from = self._total if self.max_trim is None else min(self._total, self.max_trim)
-        out = self._buf[max(0, keep_from - self._buf_start) :]
-        self.dropped += max(0, keep_from - self._buf_start)
-        self._buf = _EMPTY
-        self._buf_start = self._total
-        self.passing = True
-        return out
+        return self._pass_from(self._total if self.max_trim is None else min(self._total, self.max_trim))
 
     # ----------------------------------------------------------------- private
 

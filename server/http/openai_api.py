@@ -15,24 +15,25 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from engine import SAMPLE_RATE, ContextDone, EngineError, Overloaded
-from server.audio.containers import AudioFile, open_audio_file
+from engine import SAMPLE_RATE, ContextDone, EngineError
+from server.audio.containers import HTTP_FORMATS, AudioFile, open_audio_file
 from server.audio.stream import AudioStream
 from server.auth import bearer_token
 from server.logs import context_logger, current_trace
 from server.metrics import phases_text
-from server.options import SAMPLING_FIELDS, ContextOptions, resolve_context_options
+from server.options import LAYOUTS, SAMPLING_FIELDS, ContextOptions, resolve_context_options
 from server.protocol import (
     ERRORS,
     ProtocolError,
+    as_protocol_error,
     check_unicode,
     get_bool,
     get_number,
+    get_object,
     get_str,
     http_error_body,
     parse_json_object,
@@ -42,7 +43,6 @@ from server.stream import ContextStream, instruction_ids
 from server.text import encode_segments, segment_rule
 
 log = logging.getLogger("voicelane.http")
-RESPONSE_FORMATS = ("mp3", "pcm", "wav", "opus")
 STREAM_FORMATS = ("audio", "sse")
 TOP_LEVEL_SAMPLING = (*SAMPLING_FIELDS, "subtalker")
 RETRY_AFTER_S = "1"
@@ -67,13 +67,17 @@ def error_response(code: str, message: str, param: str | None = None, headers: d
     return JSONResponse(http_error_body(code, message, param), status_code=kind.http_status, headers=h)
 
 
-def check_access(request: Request, rt: Runtime) -> JSONResponse | None:
+def refusal(request: Request, rt: Runtime) -> JSONResponse | None:
+    """The answer to a request this server does not take (a browser origin or an API key it refuses, a model still
+    loading), or None."""
     if not rt.origins.allows(request.headers.get("origin"), request.headers.get("host")):
         rt.metrics.rejections.inc("http", "origin_not_allowed")
         return error_response("origin_not_allowed", "this browser origin is not allowed (--allowed-origins)")
     if rt.keys.enabled and not rt.keys.check(bearer_token(request.headers)):
         rt.metrics.rejections.inc("http", "unauthorized")
         return error_response("unauthorized", "a valid API key is required: Authorization: Bearer <key>")
+    if rt.engine is None:
+        return error_response("overloaded", "the model is still loading; retry shortly")
     return None
 
 
@@ -88,52 +92,40 @@ class SpeechRequest:
 
 def parse_speech(obj: dict, rt: Runtime) -> SpeechRequest:
     check_unicode(obj)  # every field and key, `model` and `sampling` keys included
-    text = obj.get("input")
-    if not isinstance(text, str):
-        raise ProtocolError("invalid_field", "'input' (the text to speak) must be a string", "input")
-    get_str(obj, "input")
+    text = get_str(obj, "input", required=True)
     if not text.strip():
         raise ProtocolError("invalid_field", "'input' is empty", "input")
     if len(text) > rt.limits.max_text_chars_per_context:
         raise ProtocolError("text_too_long", f"'input' has {len(text)} characters; limit "
                             f"{rt.limits.max_text_chars_per_context}", "input")
-    model = obj.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ProtocolError("invalid_field", "'model' must be a string", "model")
+    get_str(obj, "model")  # any model name: this server has one
     fmt = get_str(obj, "response_format") or "mp3"
-    if fmt not in RESPONSE_FORMATS:
-        raise ProtocolError("unsupported_format", f"response_format {fmt!r}; one of {', '.join(RESPONSE_FORMATS)}",
+    if fmt not in HTTP_FORMATS:
+        raise ProtocolError("unsupported_format", f"response_format {fmt!r}; one of {', '.join(HTTP_FORMATS)}",
                             "response_format")
     speed = get_number(obj, "speed")
     if speed is not None and speed != 1.0:
         raise ProtocolError("invalid_field", f"speed {speed:g}: only 1.0 is supported", "speed")
     stream = get_bool(obj, "stream")
     stream_format = get_str(obj, "stream_format", choices=STREAM_FORMATS) or "audio"
-    layout = get_str(obj, "text_layout", choices=("dual", "whole"))
-    nsm = obj.get("non_streaming_mode")
+    layout = get_str(obj, "text_layout", choices=LAYOUTS)
+    nsm = get_bool(obj, "non_streaming_mode")
     if nsm is not None:
-        if not isinstance(nsm, bool):
-            raise ProtocolError("invalid_field", "'non_streaming_mode' must be true or false", "non_streaming_mode")
         implied = "whole" if nsm else "dual"
         if layout is not None and layout != implied:
             raise ProtocolError("invalid_field", f"non_streaming_mode={str(nsm).lower()} contradicts text_layout "
                                 f"{layout!r}", "non_streaming_mode")
         layout = implied
-    sampling = obj.get("sampling")
-    if sampling is not None and not isinstance(sampling, dict):
-        raise ProtocolError("invalid_field", "'sampling' must be an object", "sampling")
-    sampling = dict(sampling or {})
+    sampling = dict(get_object(obj, "sampling") or {})
     for name in TOP_LEVEL_SAMPLING:
         if name in obj and obj[name] is not None:
             if name in sampling:
                 raise ProtocolError("invalid_field", f"'{name}' is given both at the top level and in 'sampling'",
                                     name)
             sampling[name] = obj[name]
-    ctx_fields: dict[str, Any] = {k: obj[k] for k in ("voice", "language", "instructions", "text_normalization",
-                                                      "max_frames", "min_frames") if obj.get(k) is not None}
-    if layout is not None:
-        ctx_fields["text_layout"] = layout
-    ctx_fields["sampling"] = sampling
+    ctx_fields = {k: obj[k] for k in ("voice", "language", "instructions", "text_normalization", "max_frames",
+                                      "min_frames") if obj.get(k) is not None}
+    ctx_fields |= {"text_layout": layout, "sampling": sampling}
     opts = resolve_context_options(ctx_fields, rt.defaults, rt.catalog, rt.sampling_base,
                                    max_frames_limit=rt.max_frames,
                                    max_instruction_chars=rt.limits.max_text_chars_per_message,
@@ -163,11 +155,8 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
 async def speech(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
     t0 = time.monotonic()
-    denied = check_access(request, rt)
-    if denied is not None:
-        return denied
-    if rt.engine is None:
-        return error_response("overloaded", "the model is still loading; retry shortly")
+    if (refused := refusal(request, rt)) is not None:
+        return refused
     if rt.draining:
         rt.metrics.rejections.inc("http", "draining")
         return error_response("overloaded", "the server is draining; send the request to another server")
@@ -199,23 +188,19 @@ async def speech(request: Request) -> Response:
                                     AudioStream(file.output, segment_flush=False), rt.executor)
         if isinstance(fault, dict) and fault.get("kind") in ("exception", "nan"):  # test hook
             stream.ectx.inject_fault(fault["kind"], int(fault.get("at_frame") or 0))
-    except ProtocolError as exc:
-        rt.metrics.errors.inc("http", exc.code)
-        if exc.code in ("overloaded", "text_too_long"):
-            rt.metrics.rejections.inc("http", exc.code)
-        return error_response(exc.code, exc.message, exc.param)
-    except EngineError as exc:
-        code = exc.code if exc.code in ERRORS else "internal"
-        rt.metrics.errors.inc("http", code)
-        if isinstance(exc, Overloaded):
-            rt.metrics.rejections.inc("http", "overloaded")
-        return error_response(code, str(exc), exc.param)
+    except (ProtocolError, EngineError) as exc:
+        err = as_protocol_error(exc)
+        rt.metrics.errors.inc("http", err.code)
+        if err.code in ("overloaded", "text_too_long"):
+            rt.metrics.rejections.inc("http", err.code)
+        return error_response(err.code, err.message, err.param)
     try:
         stream.add_segments(segments)
     except EngineError as exc:  # e.g. whole-layout text longer than the prompt may be
         stream.cancel()
-        rt.metrics.errors.inc("http", exc.code)
-        return error_response(exc.code if exc.code in ERRORS else "internal", str(exc), exc.param)
+        err = as_protocol_error(exc)
+        rt.metrics.errors.inc("http", err.code)
+        return error_response(err.code, err.message, err.param)
     context_logger(stream.trace_id).info(
         "speech request: %d characters, %d tokens in %d segment(s), voice %s, %s%s, seed %d", len(req.text), n_tokens,
         len(segments), req.options.voice, req.response_format, " (sse)" if req.stream_format == "sse" else "",
@@ -287,8 +272,7 @@ class SpeechStream(Response):
                     self.log.error("speech stream failed: %r", exc)
                     self.reason = "error"
                     if not self.started:
-                        rt.metrics.errors.inc("http", "internal")
-                        await error_response("internal", f"synthesis stopped: {exc}")(scope, _no_receive, send)
+                        await self._send_error(send, "internal", f"synthesis stopped: {exc}")
         finally:
             for task in (watcher, backlog, drain):
                 task.cancel()
@@ -301,14 +285,22 @@ class SpeechStream(Response):
                           self.stream.frames, self.audio.encoded_ms, (time.monotonic() - self.t0) * 1000,
                           phases_text(self.first_audio_phases))
 
+    async def _send_error(self, send, code: str, message: str) -> None:
+        """An error status instead of the audio (nothing of the response has been sent)."""
+        self.rt.metrics.errors.inc("http", code)
+        await error_response(code, message)(self.scope, _no_receive, send)
+
+    async def _synthesis_failed(self, send, ev: ContextDone) -> None:
+        self.reason = "error"
+        code = ev.error_code if ev.error_code in ("synthesis_failed", "internal") else "synthesis_failed"
+        await self._send_error(send, code, f"synthesis failed: {ev.error_message or 'model error'}")
+
     async def _end_drained(self, send) -> None:
         """The drain deadline cut this request: a response not yet begun is a retryable 503; one under way ends
         cleanly (the chunked body is terminated), an SSE one with its done event, reason `drained`."""
         if not self.started:
-            self.rt.metrics.errors.inc("http", "overloaded")
-            await error_response("overloaded", "the server is draining and its deadline passed before this request "
-                                 "finished; retry on another server")(self.scope, _no_receive, send)
-            return
+            return await self._send_error(send, "overloaded", "the server is draining and its deadline passed before "
+                                          "this request finished; retry on another server")
         tail = sse_event(self._sse_done()) if self.req.stream_format == "sse" else b""
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
@@ -351,57 +343,44 @@ class SpeechStream(Response):
         reason = done.reason if done is not None else "completed"
         return "max_frames" if reason == "completed" and self.segment_cut else reason
 
-    def _error_json(self, ev: ContextDone) -> Response:
-        code = ev.error_code if ev.error_code in ("synthesis_failed", "internal") else "synthesis_failed"
-        self.rt.metrics.errors.inc("http", code)
-        return error_response(code, f"synthesis failed: {ev.error_message or 'model error'}")
-
     def _note_audio(self, data: bytes) -> None:
         if data and not self.first_sent:
             self.first_sent = True
             self.first_audio_phases = self.rt.metrics.observe_first_audio(
                 "http", self.t0, time.monotonic(), self.stream.first_audio, self.stream.first_packets_at)
 
+    async def _start(self, send, content_type: str) -> None:
+        if not self.started:
+            self.started = True
+            await send({"type": "http.response.start", "status": 200, "headers": self._headers(content_type)})
+
     async def _run(self, send) -> None:
         if not self.req.stream:
             return await self._whole(send)
         sse = self.req.stream_format == "sse"
-        events = self._events()
+        content_type = "text/event-stream" if sse else self.file.content_type
         pending = self.file.header()
-        self.started = started = False
         done_ev: ContextDone | None = None
-        async for data, ev in events:
+        async for data, ev in self._events():
             if ev is not None and ev.reason == "error":
+                if not self.started:  # nothing sent yet: a proper error status
+                    return await self._synthesis_failed(send, ev)
                 self.reason = "error"
-                if not started:  # nothing sent yet: a proper error status
-                    return await self._error_json(ev)(self.scope, _no_receive, send)
                 self.log.error("synthesis failed mid-stream: %s", ev.error_message)
-                if sse:
-                    err = http_error_body(ev.error_code or "synthesis_failed", "synthesis failed mid-stream")
-                    await send({"type": "http.response.body", "body": sse_event({"type": "error", **err}),
-                                "more_body": False})
-                else:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return
-            if ev is not None:
-                done_ev = ev
+                err = http_error_body(ev.error_code or "synthesis_failed", "synthesis failed mid-stream")
+                tail = sse_event({"type": "error", **err}) if sse else b""
+                return await send({"type": "http.response.body", "body": tail, "more_body": False})
+            done_ev = ev or done_ev
             data = pending + data
-            if not data and ev is None:
-                continue
-            pending = b""
-            if not started:
-                self.started = started = True
-                content_type = "text/event-stream" if sse else self.file.content_type
-                await send({"type": "http.response.start", "status": 200, "headers": self._headers(content_type)})
             if data:
+                pending = b""
+                await self._start(send, content_type)
                 self._note_audio(data)
                 await send({"type": "http.response.body", "body": sse_audio(data) if sse else data, "more_body": True})
         self.reason = self._finish_reason(done_ev)
         self.rt.metrics.audio_seconds.inc("http", amount=self.audio.encoded_ms / 1000.0)
+        await self._start(send, content_type)
         tail = sse_event(self._sse_done()) if sse else b""
-        if not started:
-            await send({"type": "http.response.start", "status": 200, "headers": self._headers(
-                "text/event-stream" if sse else self.file.content_type)})
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _whole(self, send) -> None:
@@ -410,8 +389,7 @@ class SpeechStream(Response):
         done_ev = None
         async for data, ev in self._events():
             if ev is not None and ev.reason == "error":
-                self.reason = "error"
-                return await self._error_json(ev)(self.scope, _no_receive, send)
+                return await self._synthesis_failed(send, ev)
             parts.append(data)
             done_ev = ev or done_ev
         self.reason = self._finish_reason(done_ev)
@@ -423,26 +401,16 @@ class SpeechStream(Response):
             (b"x-finish-reason", self.reason.encode())]
         if self.req.stream_format == "sse":
             body = sse_audio(body) + sse_event(self._sse_done())
-            headers = [h for h in self._headers("text/event-stream")] + [(b"content-length", str(len(body)).encode())]
+            headers = self._headers("text/event-stream") + [(b"content-length", str(len(body)).encode())]
         self._note_audio(body)
         self.started = True
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def _refusal(request: Request, rt: Runtime) -> Response | None:
-    """Access check and model readiness for the catalogue endpoints."""
-    denied = check_access(request, rt)
-    if denied is not None:
-        return denied
-    if rt.engine is None:
-        return error_response("overloaded", "the model is still loading")
-    return None
-
-
 async def voices(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
-    if (refused := _refusal(request, rt)) is not None:
+    if (refused := refusal(request, rt)) is not None:
         return refused
     info = rt.info
     return JSONResponse({"object": "list", "model": info.name, "default_voice": rt.defaults.voice,
@@ -453,7 +421,7 @@ async def voices(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
-    if (refused := _refusal(request, rt)) is not None:
+    if (refused := refusal(request, rt)) is not None:
         return refused
     info = rt.info
     return JSONResponse({"object": "list", "data": [{

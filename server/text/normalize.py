@@ -163,9 +163,10 @@ class LlmTextNormalizer:
         if mode not in ("llm", "none"):
             raise ValueError(f"text_normalization must be 'llm' or 'none', not {mode!r}")
         self.mode = mode
-        self._reset()
+        self.reset()
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Drop held-back text and state (cancel; also the start of a segment)."""
         self._buf = ""
         self._pos = 0
         self._state = "line"  # "line" (at a line start), "inline", "fence"
@@ -189,37 +190,26 @@ class LlmTextNormalizer:
 
     def finish(self) -> str:
         """Everything still held back, as the end of the text; then a fresh state (next segment)."""
-        if self.mode == "none":
-            return ""
-        self._buf = self._buf[self._pos:]
-        self._pos = 0
-        self._run(eof=True)
-        out = self._ws.take()
-        self._reset()
-        return out
+        return self._end(keep_fence=False)
 
     def flush(self) -> str:
         """End of a segment in a context that goes on (a `flush` message): like `finish()`, except that an open
         fenced code block stays open, so the rest of the block, arriving in the next segment, is still dropped."""
+        return self._end(keep_fence=True)
+
+    def _end(self, keep_fence: bool) -> str:
         if self.mode == "none":
             return ""
-        self._buf = self._buf[self._pos:]
-        self._pos = 0
+        self._buf, self._pos = self._buf[self._pos:], 0
         self._run(eof=False)
-        if self._state != "fence":
+        in_fence = keep_fence and self._state == "fence"
+        if not in_fence:
             self._run(eof=True)
-        out = self._ws.take()
-        if self._state == "fence":
-            rest, fence = self._buf[self._pos:], self._fence
-            self._reset()
+        out, rest, fence = self._ws.take(), self._buf[self._pos:], self._fence
+        self.reset()
+        if in_fence:
             self._state, self._fence, self._buf = "fence", fence, rest
-        else:
-            self._reset()
         return out
-
-    def reset(self) -> None:
-        """Drop held-back text and state (cancel)."""
-        self._reset()
 
     @property
     def holds_gap(self) -> bool:
@@ -231,27 +221,24 @@ class LlmTextNormalizer:
 
     # ------------------------------------------------------------------ driver
     def _run(self, eof: bool) -> None:
+        steps = {"line": self._line_start, "fence": self._fence_line, "inline": self._inline}
         while self._pos < len(self._buf):
-            if self._state == "line":
-                done = self._line_start(eof)
-            elif self._state == "fence":
-                done = self._fence_line(eof)
-            else:
-                done = self._inline(eof)
-            if done is _NEED:
+            if steps[self._state](eof) is _NEED:
                 return
 
     def _emit(self, text: str) -> None:
         for ch in text:
             self._ws.push(ch)
 
-    def _consume(self, count: int) -> None:
-        """Advance over `count` input characters, tracking the flanking context."""
+    def _take(self, count: int, text: str = "") -> None:
+        """Advance over `count` input characters (tracking the flanking context) and emit `text` in their place;
+        None, so that a step can end with `return self._take(...)`."""
         for ch in self._buf[self._pos:self._pos + count]:
             self._prev = ch
             if not ch.isspace():
                 self._prev_visible = ch
         self._pos += count
+        self._emit(text)
 
     def _newline(self, count: int) -> None:
         self._pos += count
@@ -264,10 +251,8 @@ class LlmTextNormalizer:
 
     # ------------------------------------------------------------------ block level
     def _line_start(self, eof: bool):
-        buf, i, n = self._buf, self._pos, len(self._buf)
-        j = i
-        while j < n and buf[j] in " \t":
-            j += 1
+        buf, n = self._buf, len(self._buf)
+        j = _skip_spaces(buf, self._pos)
         if j == n:
             if not eof:
                 return _NEED
@@ -297,18 +282,14 @@ class LlmTextNormalizer:
             if k == n and not eof:
                 return _NEED
             if (k == n or buf[k] in "\r\n") and count >= 3:
-                self._pos = k  # the line break itself is handled inline
-                self._state = "inline"
-                return None
+                return self._inline_from(k)  # the line break itself is handled inline
         if c == "#":
             run = _run_length(buf, j, "#")
             if j + run == n and not eof:
                 return _NEED
             if run <= 6 and (j + run == n or buf[j + run] in " \t\r\n"):
-                self._pos = j + run
-                self._state = "inline"
                 self._heading = True
-                return None
+                return self._inline_from(j + run)
         elif c == ">":
             self._pos = j + 1
             return None  # still at a line start: quotes nest, and may hold lists or headings
@@ -316,9 +297,7 @@ class LlmTextNormalizer:
             if j + 1 == n and not eof:
                 return _NEED
             if j + 1 == n or buf[j + 1] in " \t\r\n":
-                k = j + 1
-                while k < n and buf[k] in " \t":
-                    k += 1
+                k = _skip_spaces(buf, j + 1)
                 if k == n and not eof:
                     return _NEED  # a task box may follow
                 box = buf[k:k + 4]
@@ -327,9 +306,7 @@ class LlmTextNormalizer:
                         return _NEED
                     if _is_task_box(box) or (len(box) == 3 and eof and _is_task_box(box + " ")):
                         k += 3
-                self._pos = k
-                self._state = "inline"
-                return None
+                return self._inline_from(k)
         elif c.isdigit() and c.isascii():
             k = j
             while k < n and buf[k].isascii() and buf[k].isdigit():
@@ -340,11 +317,13 @@ class LlmTextNormalizer:
                 if k + 1 == n and not eof:
                     return _NEED
                 if k + 1 == n or buf[k + 1] in " \t\r\n":
-                    self._pos = k + 1
-                    self._state = "inline"
-                    return None
+                    return self._inline_from(k + 1)
+        return self._inline_from(self._pos)
+
+    def _inline_from(self, pos: int) -> None:
+        """The line's block markers (if any) end before `pos`: the rest of the line is inline text."""
+        self._pos = pos
         self._state = "inline"
-        return None
 
     def _fence_line(self, eof: bool):
         buf, i = self._buf, self._pos
@@ -372,47 +351,33 @@ class LlmTextNormalizer:
                 return _NEED
             self._newline(2 if i + 1 < n and buf[i + 1] == "\n" else 1)
             return None
-        if self._drop_invisible(c):
+        if ord(c) in _INVISIBLE or (unicodedata.category(c) == "Cc" and not c.isspace()):
+            self._pos += 1
             return None
         if _is_emoji(c):
-            self._consume(1)
             self._prev_emoji = True
-            self._emit(_MARK)
-            return None
+            return self._take(1, _MARK)
         if c == "\u200d" and self._prev_emoji:
-            self._consume(1)
-            return None
+            return self._take(1)
         self._prev_emoji = False
-        if self._code:
-            if c == "`":
-                run = _run_length(buf, i, "`")
-                if i + run == n and not eof:
-                    return _NEED
-                if run == self._code:
-                    self._code = 0
-                self._consume(run)
-            else:
-                self._consume(1)
-                self._emit(c)
-            return None
         if c == "`":
             run = _run_length(buf, i, "`")
             if i + run == n and not eof:
                 return _NEED
-            self._code = run
-            self._consume(run)
-            return None
+            if not self._code:
+                self._code = run
+            elif run == self._code:
+                self._code = 0
+            return self._take(run)
+        if self._code:
+            return self._take(1, c)
         if c == "\\":
             if i + 1 == n and not eof:
                 return _NEED
             nxt = buf[i + 1] if i + 1 < n else ""
             if nxt and nxt.isascii() and _is_punct(nxt):
-                self._consume(2)
-                self._emit(nxt)
-            else:
-                self._consume(1)
-                self._emit(c)
-            return None
+                return self._take(2, nxt)
+            return self._take(1, c)
         if c in "*_~":
             return self._delimiter(c, eof)
         if c == "#" and self._heading:
@@ -425,20 +390,14 @@ class LlmTextNormalizer:
                 if found is _NEED:
                     return _NEED
                 if found is not _FAIL:
-                    self._consume(found[0] - i)
-                    self._emit(_MARK)
-                    return None
-            self._consume(1)
-            self._emit(c)
-            return None
+                    return self._take(found[0] - i, _MARK)
+            return self._take(1, c)
         if c == "[":
             found = _parse_link(buf, i, eof)
             if found is _NEED:
                 return _NEED
             if found is _FAIL:
-                self._consume(1)
-                self._emit(c)
-                return None
+                return self._take(1, c)
             end, text = found
             # The link text takes the link's place and is normalised like any text.
             self._buf = text + buf[end:]
@@ -452,30 +411,17 @@ class LlmTextNormalizer:
             if match:
                 decoded = html.unescape(match.group(0))
                 if decoded != match.group(0):
-                    self._consume(match.end())
-                    self._emit(decoded)
-                    return None
+                    return self._take(match.end(), decoded)
             elif not eof and n - i < 40 and _ENTITY_PARTIAL.match(tail):
                 return _NEED
-            self._consume(1)
-            self._emit(c)
-            return None
+            return self._take(1, c)
         if c in "hHwW" and not _is_alnum(self._prev):
             return self._url(eof)
         # Plain text: take the run up to the next character that could start something.
         k = i + 1
         while k < n and _plain(buf[k], buf[k - 1]):
             k += 1
-        self._consume(k - i)
-        self._emit(buf[i:k])
-        return None
-
-    def _drop_invisible(self, c: str) -> bool:
-        cp = ord(c)
-        if cp in _INVISIBLE or (unicodedata.category(c) == "Cc" and not c.isspace()):
-            self._pos += 1
-            return True
-        return False
+        return self._take(k - i, buf[i:k])
 
     def _delimiter(self, c: str, eof: bool):
         buf, i, n = self._buf, self._pos, len(self._buf)
@@ -493,34 +439,24 @@ class LlmTextNormalizer:
         else:
             markup = left or right
             if markup and run <= 2:
-                k = i + run
-                while k < n and buf[k] in " \t":
-                    k += 1
+                k = _skip_spaces(buf, i + run)
                 if k == n and not eof:
                     return _NEED
                 after = buf[k] if k < n else ""
                 before = self._prev_visible
                 if (before.isdigit() or before == ")") and (after.isdigit() or after == "("):
                     markup = False  # multiplication or power: 2*3, 2 *3, (a)*(b), 2**8
-        self._consume(run)
-        if not markup:
-            self._emit(c * run)
-        return None
+        return self._take(run, "" if markup else c * run)
 
     def _closing_hashes(self, eof: bool):
         buf, i, n = self._buf, self._pos, len(self._buf)
-        k = i + _run_length(buf, i, "#")
-        while k < n and buf[k] in " \t":
-            k += 1
+        k = _skip_spaces(buf, i + _run_length(buf, i, "#"))
         if k == n and not eof:
             return _NEED
         if _is_ws(self._prev) and (k == n or buf[k] in "\r\n"):
-            self._consume(k - i)
-        else:
-            run = _run_length(buf, i, "#")
-            self._consume(run)
-            self._emit("#" * run)
-        return None
+            return self._take(k - i)
+        run = _run_length(buf, i, "#")
+        return self._take(run, "#" * run)
 
     def _angle(self, eof: bool):
         buf, i = self._buf, self._pos
@@ -528,18 +464,9 @@ class LlmTextNormalizer:
         if found is _NEED:
             return _NEED
         if found is _FAIL:
-            self._consume(1)
-            self._emit("<")
-            return None
+            return self._take(1, "<")
         end, kind, payload = found
-        self._consume(end - i)
-        if kind == "autolink":
-            self._emit(payload)
-        elif kind == "block":
-            self._emit(" ")
-        elif kind == "drop":
-            self._emit(_MARK)
-        return None
+        return self._take(end - i, {"autolink": payload, "block": " ", "drop": _MARK}.get(kind, ""))  # mark: ""
 
     def _url(self, eof: bool):
         buf, i, n = self._buf, self._pos, len(self._buf)
@@ -548,17 +475,14 @@ class LlmTextNormalizer:
         if start is None:
             if not eof and n - i < 8 and any(s.startswith(head) for s in _URL_STARTS):
                 return _NEED
-            self._consume(1)
-            self._emit(buf[i])
-            return None
+            return self._take(1, buf[i])
         k = i + len(start)
-        while k < n and _url_char(buf[k]):
+        while k < n and not (buf[k].isspace() or buf[k] in '<>"`*' or _is_emoji(buf[k])
+                             or unicodedata.category(buf[k]) == "Cc"):
             k += 1
         if k == n and not eof:
             return _NEED
-        self._consume(k - i)
-        self._emit(buf[i:k])
-        return None
+        return self._take(k - i, buf[i:k])
 
 
 # ---------------------------------------------------------------------- helpers
@@ -572,10 +496,6 @@ def _plain(ch: str, before: str) -> bool:
     if ch in "hHwW" and not _is_alnum(before):
         return False
     return not (ord(ch) in _INVISIBLE or unicodedata.category(ch) == "Cc")
-
-
-def _url_char(ch: str) -> bool:
-    return not (ch.isspace() or ch in '<>"`*' or _is_emoji(ch) or unicodedata.category(ch) == "Cc")
 
 
 def _run_length(buf: str, i: int, ch: str) -> int:

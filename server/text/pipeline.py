@@ -46,10 +46,8 @@ def _final_word_chunk(s: str) -> bool:
 class TextPipeline:
     def __init__(self, tokenizer: TextTokenizer, normalization: str = "llm"):
         self.normalizer = LlmTextNormalizer(normalization)
-        self.llm = normalization == "llm"
         self.tokens = tokenizer.incremental()
         self.words = 0  # whitespace-separated words of the current segment (normalised text)
-        self.ids_in_segment = 0
         self._in_word = False
 
     def _tokenize(self, text: str) -> list[int]:
@@ -63,9 +61,8 @@ class TextPipeline:
 
     def feed(self, text: str) -> list[int]:
         ids = self._tokenize(self.normalizer.feed(text))
-        if self.llm and self.normalizer.holds_gap and _final_word_chunk(self.tokens.pending_text):
+        if self.normalizer.holds_gap and _final_word_chunk(self.tokens.pending_text):  # never in mode "none"
             ids += self.tokens.finish()
-        self.ids_in_segment += len(ids)
         return ids
 
     def finish(self, closing: bool = True) -> tuple[list[int], int]:
@@ -74,14 +71,14 @@ class TextPipeline:
         ids = self._tokenize(self.normalizer.finish() if closing else self.normalizer.flush())
         ids += self.tokens.finish()
         words = self.words
-        self.words = self.ids_in_segment = 0
+        self.words = 0
         self._in_word = False
         return ids, words
 
     def reset(self) -> None:
         self.normalizer.reset()
         self.tokens.reset()
-        self.words = self.ids_in_segment = 0
+        self.words = 0
         self._in_word = False
 
 

@@ -19,7 +19,7 @@ from engine import ContextDone
 from server.audio.encoders import MODEL_RATE, AudioPacket
 from server.logs import context_logger, current_trace
 from server.options import ContextOptions
-from server.protocol import ws_error
+from server.protocol import with_ids, ws_error
 from server.stream import ContextStream
 from server.ws.outbox import Outbox, OutItem, dumps
 from voicelane_wire import pack_frame
@@ -47,6 +47,7 @@ class WsContext:
         self.text_chars = 0
         self.first_text_at: float | None = None
         self.first_audio_sent_at: float | None = None
+        self.ttfa_s: float | None = None  # first text (or the context's creation) to its first audio sent
         self.first_audio_phases: dict[str, float] = {}  # server.metrics.FIRST_AUDIO_PHASES, seconds, once sent
         self.last_activity = time.monotonic()
         # audio accounting
@@ -77,17 +78,12 @@ class WsContext:
         self.last_activity = time.monotonic()
         self.release_flushes()
 
-    def close_input(self) -> None:
-        self.stream.close_input()
-
     def release_flushes(self) -> None:
         while self.flushes and self.flushes[0][0] < self.stream.segments_done:
             seg, fid, eid = self.flushes.popleft()
-            msg: dict[str, Any] = {"type": "flushed", "context_id": self.id, "flush_id": fid,
-                                   "audio_end_ms": round(self.segment_end_ms.get(seg, 0.0), 3)}
-            if eid is not None:
-                msg["event_id"] = eid
-            self.out.put(OutItem(dumps(msg), owner=self, purgeable=True))
+            msg = {"type": "flushed", "context_id": self.id, "flush_id": fid,
+                   "audio_end_ms": round(self.segment_end_ms.get(seg, 0.0), 3)}
+            self.out.put(OutItem(dumps(with_ids(msg, event_id=eid)), owner=self, purgeable=True))
 
     def report_playback(self, played_ms: float, state: str, buffered_ms: float | None = None) -> None:
         """The client's listener timeline -> the engine's context timeline (which counts trimmed silence and not
@@ -118,7 +114,7 @@ class WsContext:
                     continue
                 seg = ev.segment_done.segment
                 packets = ev.packets
-                final = self.stream.is_final(seg)
+                final = self.stream.input_closed and self.stream.final_segment == seg
                 if final:
                     packets = packets + await self.stream.close_audio()
                     if self.cancelled:
@@ -171,6 +167,7 @@ class WsContext:
         self.metrics.audio_seconds.inc("ws", amount=audio_s)
         if self.first_audio_sent_at is None and audio_s > 0:
             self.first_audio_sent_at = time.monotonic()
+            self.ttfa_s = self.first_audio_sent_at - (self.first_text_at or self.created_at)
             self.first_audio_phases = self.metrics.observe_first_audio(
                 "ws", self.first_text_at or self.created_at, self.first_audio_sent_at, self.stream.first_audio,
                 self.stream.first_packets_at)
@@ -197,26 +194,21 @@ class WsContext:
         self.flushes.clear()
 
         def render() -> str:
-            ttfa = None
-            if self.first_audio_sent_at is not None:
-                ttfa = round((self.first_audio_sent_at - (self.first_text_at or self.created_at)) * 1000.0, 3)
+            ttfa = None if self.ttfa_s is None else round(self.ttfa_s * 1000.0, 3)
             msg = {"type": "context.done", "context_id": self.id, "reason": reason,
                    "audio_ms": round(self.audio.audio_end_ms, 3), "ttfa_ms": ttfa,
                    # extensions (not in docs/protocol.md; clients ignore unknown fields)
                    "frames": self.stream.frames,
                    "trimmed_ms": round(self.audio.trimmed_samples * 1000.0 / MODEL_RATE, 3),
                    "codes_sha256": self.stream.codes.hexdigest()}
-            if self.close_event_id is not None:
-                msg["event_id"] = self.close_event_id
-            return dumps(msg)
+            return dumps(with_ids(msg, event_id=self.close_event_id))
 
         self.out.put(OutItem(render=render, owner=self))
         self.out.context_ended(self, reason)
 
     def cancel(self, played_ms: float | None, event_id: Any) -> None:
         """Barge-in: stop now, drop queued text and unsent audio, answer context.cancelled."""
-        self.cancelled = self.ended = True
-        self._stop()
+        self.abandon()
         self.out.purge(self)
         self.flushes.clear()
         if played_ms is None:
@@ -228,9 +220,7 @@ class WsContext:
         msg = {"type": "context.cancelled", "context_id": self.id,
                "generated_ms": round(self.stream.generated_samples * 1000.0 / MODEL_RATE, 3),
                "sent_ms": round(self.sent_end_ms, 3), "played_ms": round(played_ms, 3)}
-        if event_id is not None:
-            msg["event_id"] = event_id
-        self.out.put(OutItem(dumps(msg), owner=self))
+        self.out.put(OutItem(dumps(with_ids(msg, event_id=event_id)), owner=self))
         self.out.context_ended(self, "cancelled")
 
     def abandon(self) -> None:

@@ -147,7 +147,8 @@ class Outbox(OutQueue):
                  on_context_ended: Callable[[Any, str], None]) -> None:
         super().__init__()
         self.limits, self.metrics = limits, metrics
-        self._on_overflow, self._on_context_ended = on_overflow, on_context_ended
+        self._on_overflow = on_overflow
+        self.context_ended = on_context_ended  # context_ended(ctx, reason): the session forgets that context
         self.closed = False  # the session is ending: a close is queued or about to be
 
     def send(self, msg: dict) -> None:
@@ -174,9 +175,6 @@ class Outbox(OutQueue):
             return
         self.metrics.slow_readers.inc()
         self._on_overflow(what, reason, message)
-
-    def context_ended(self, ctx: Any, reason: str) -> None:
-        self._on_context_ended(ctx, reason)
 
 
 def dumps(msg: dict) -> str:

@@ -22,16 +22,17 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from engine import EngineError, Overloaded
+from engine import EngineError
 from server.audio.encoders import OpusOutput, PcmOutput
 from server.audio.stream import AudioStream
 from server.auth import bearer_token, query_token, subprotocol_token
 from server.metrics import phases_text
-from server.options import ContextOptions, resolve_context_options
+from server.options import resolve_context_options
 from server.protocol import (
     CLOSE_GOING_AWAY,
     CLOSE_INTERNAL,
@@ -41,17 +42,20 @@ from server.protocol import (
     PROTOCOL_VERSION,
     SUBPROTOCOL,
     ProtocolError,
+    as_protocol_error,
     check_unicode,
     get_bool,
     get_flush_id,
     get_id,
     get_number,
+    get_object,
     get_str,
     is_unicode,
     is_valid_id,
     parse_envelope,
     parse_json_object,
     parse_played_map,
+    with_ids,
     ws_error,
     ws_warning,
 )
@@ -108,9 +112,7 @@ class WsSession:
             return
         self.out.closed = True
         self.close_code = code
-        for ctx in list(self.contexts.values()):
-            ctx.abandon()
-            self._context_ended(ctx, "abandoned")
+        self._abandon_all()
         if immediate:
             self.out.purge()
             self.out.put(OutItem(close=(code, reason)), front=True)
@@ -138,10 +140,7 @@ class WsSession:
                 if data is None:
                     continue
                 try:
-                    if isinstance(data, bytes):
-                        await self.ws.send_bytes(data)
-                    else:
-                        await self.ws.send_text(data)
+                    await (self.ws.send_bytes if isinstance(data, bytes) else self.ws.send_text)(data)
                 finally:
                     self.out.sent(item)
                 if item.on_sent is not None:
@@ -195,9 +194,7 @@ class WsSession:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.finished.wait(), CLOSE_GRACE_S * 2)
         finally:
-            for ctx in list(self.contexts.values()):
-                ctx.abandon()
-                self._context_ended(ctx, "abandoned")
+            self._abandon_all()
             recv.cancel()
             if not emit.done():
                 if self.ending and not self.finished.is_set():
@@ -211,18 +208,15 @@ class WsSession:
             rt.metrics.sessions_total.inc(str(self.close_code or "client"))
             log.info("session %s closed (%s)", self.id, self.close_code or "by the client")
 
+    def _abandon_all(self) -> None:
+        for ctx in list(self.contexts.values()):
+            ctx.abandon()
+            self._context_ended(ctx, "abandoned")
+
     def _session_created(self) -> dict:
         rt = self.runtime
         info = rt.info
-        limits = {"max_contexts": self.limits.max_contexts,
-                  "max_text_chars_per_message": self.limits.max_text_chars_per_message,
-                  "max_text_chars_per_context": self.limits.max_text_chars_per_context,
-                  "max_message_bytes": self.limits.max_message_bytes, "max_frames": rt.max_frames,
-                  "idle_timeout_s": self.limits.idle_timeout_s,
-                  "context_idle_timeout_s": self.limits.context_idle_timeout_s,
-                  "max_unsent_audio_s": self.limits.max_unsent_audio_s,
-                  "max_unsent_bytes": self.limits.max_unsent_bytes,
-                  "max_messages_per_s": self.limits.max_messages_per_s}
+        limits = {k: v for k, v in asdict(self.limits).items() if k != "message_burst"} | {"max_frames": rt.max_frames}
         return {"type": "session.created", "session_id": self.id, "protocol": PROTOCOL_VERSION, "model": info.name,
                 "limits": limits, "defaults": self.defaults.to_dict(rt.sampling_base),
                 "voices": [{"name": v.name, "languages": list(v.languages)} for v in info.voices],
@@ -248,7 +242,6 @@ class WsSession:
                 if not ctx.ended:
                     ctx.abandon()
                     self.out.send(ws_error("internal", "the engine stopped", context_id=ctx.id))
-                    ctx.end("error")
             self.end(CLOSE_INTERNAL, "engine stopped",
                      error=ws_error("internal", "the engine stopped; reconnect later", fatal=True))
             return
@@ -303,66 +296,55 @@ class WsSession:
             if self.ending:
                 continue
             self.last_client_activity = time.monotonic()
-            text = message.get("text")
-            if text is None:
-                self.error(ProtocolError("invalid_json", "binary frames are not accepted; send JSON text frames"))
-                continue
-            try:
-                obj = parse_json_object(text)
-            except ProtocolError as exc:
-                self.error(exc)
-                continue
-            self.handle(obj)
+            self.handle(message.get("text"))
             if self.ending:
                 # a session.close: let the emit task write what is queued and the close
                 await self.finished.wait()
                 return
-
-    def _until_check(self) -> float | None:
-        """Seconds until the next deadline check; None once the session ends (nothing is checked then)."""
-        return None if self.ending else max(0.0, self._next_check - time.monotonic())
 
     async def _next_message(self) -> dict:
         """The socket's next message; while none comes, the session's deadlines every CHECK_S. The receive is
         waited on, never cancelled, between checks (a message is never lost to a timeout)."""
         receive = asyncio.ensure_future(self.ws.receive())
         try:
-            while not (await asyncio.wait({receive}, timeout=self._until_check()))[0]:
+            while True:  # until the next deadline check; once the session ends nothing is checked: no timeout
+                timeout = None if self.ending else max(0.0, self._next_check - time.monotonic())
+                if (await asyncio.wait({receive}, timeout=timeout))[0]:
+                    return receive.result()
                 self._check_deadlines()
-            return receive.result()
         finally:
             receive.cancel()  # nothing when it is done; when this task is cancelled, the receive ends with it
 
     # ------------------------------------------------------------------ messages
-    def handle(self, obj: dict) -> None:
-        # only ids that are valid may be echoed on the error (a lone surrogate cannot be written as UTF-8)
-        event_id = obj.get("event_id") if is_valid_id(obj.get("event_id")) else None
-        context_id = obj.get("context_id") if is_valid_id(obj.get("context_id")) else None
+    def handle(self, text: str | None) -> None:
+        """One client message (None: a binary frame) to the handler of its type; a failure answers an error."""
+        obj: dict = {}
         try:
+            if text is None:
+                raise ProtocolError("invalid_json", "binary frames are not accepted; send JSON text frames")
+            obj = parse_json_object(text)
             check_unicode(obj)
-            env = parse_envelope(obj)
-            HANDLERS[env.type](self, env.body, env.event_id)
-        except ProtocolError as exc:
-            self.error(exc, context_id=context_id, event_id=event_id)
-        except EngineError as exc:
-            code = exc.code if exc.code in ERRORS else "internal"
-            self.out.send(ws_error(code, str(exc), context_id=context_id, event_id=event_id, param=exc.param))
+            msg_type, event_id = parse_envelope(obj)
+            HANDLERS[msg_type](self, obj, event_id)
+        except (ProtocolError, EngineError) as exc:
+            self.error(as_protocol_error(exc), **_echoable_ids(obj))
         except Exception as exc:  # noqa: BLE001 - a server fault answers `internal`; the socket survives
             log.exception("session %s: internal error handling %r", self.id, obj.get("type"))
-            self.out.send(ws_error("internal", f"server error: {type(exc).__name__}", context_id=context_id,
-                                   event_id=event_id))
+            self.out.send(ws_error("internal", f"server error: {type(exc).__name__}", **_echoable_ids(obj)))
 
     def _reply(self, msg: dict, event_id: Any) -> None:
-        if event_id is not None:
-            msg["event_id"] = event_id
-        self.out.send(msg)
+        self.out.send(with_ids(msg, event_id=event_id))
 
-    def _lookup(self, body: dict, *, for_text: bool = False) -> WsContext | None:
-        """The open context named by `context_id`; ProtocolError for ended / unknown ones (None: unknown and
-        `for_text`, which creates it)."""
+    def _lookup(self, body: dict, *, for_text: bool = False, ended_ok: bool = False,
+                input_param: str | None = None) -> WsContext | None:
+        """The open context named by `context_id`. An ended one is context_closed (None with `ended_ok`); an unknown
+        one is unknown_context (None with `for_text`: the text creates it); with `input_param`, one whose input is
+        closed is context_closed naming that param."""
         cid = get_id(body, "context_id")
         ctx = self.contexts.get(cid)
-        if ctx is not None:
+        if ctx is not None and input_param and ctx.stream.input_closed:
+            raise ProtocolError("context_closed", f"context {cid!r} is closed (context.close was sent)", input_param)
+        if ctx is not None or (ended_ok and cid in self.ended_ids):
             return ctx
         if cid in self.ended_ids:
             raise ProtocolError("context_closed", f"context {cid!r} has ended", "context_id", context_id=cid)
@@ -404,24 +386,34 @@ class WsSession:
                                            max_frames_limit=rt.max_frames,
                                            max_instruction_chars=self.limits.max_text_chars_per_message,
                                            draw_seed=rt.draw_seed)
-            fault = self._fault(body)
+            spec = get_object(body, "test_fault") if rt.config.test_hooks else None  # test hook: (kind, at_frame)
+            fault = None if spec is None else (
+                get_str(spec, "kind", required=True, choices=FAULT_KINDS, param="test_fault.kind"),
+                int(get_number(spec, "at_frame", minimum=0, param="test_fault.at_frame") or 0))
             if rt.draining:
                 raise ProtocolError("overloaded", "the server is draining: open new contexts on another server")
             if len(self.contexts) >= self.limits.max_contexts:
                 rt.metrics.rejections.inc("ws", "context_limit")
                 raise ProtocolError("context_limit", f"{self.limits.max_contexts} contexts are open on this socket "
                                     "(limits.max_contexts); close or cancel one first")
-            ctx = self._open(cid, opts)
-        except ProtocolError as exc:
-            exc.context_id = cid
-            if exc.code == "overloaded":
+            instructions = instruction_ids(opts, rt.tokenizer, rt.info)
+            fmt = opts.output_format
+            try:
+                output = OpusOutput(fmt.bitrate, complexity=rt.config.opus_complexity) if fmt.is_opus else \
+                    PcmOutput(fmt.encoding, fmt.sample_rate)
+            except RuntimeError as exc:  # codec library missing
+                raise ProtocolError("unsupported_format", str(exc), "output_format") from None
+            stream = ContextStream.open(rt.engine, opts, instructions, AudioStream(output, segment_flush=True),
+                                        rt.executor, rt.tokenizer)  # InvalidRequest / Overloaded
+        except (ProtocolError, EngineError) as exc:
+            err = as_protocol_error(exc)
+            err.context_id = cid
+            if err.code == "overloaded":
                 rt.metrics.rejections.inc("ws", "overloaded")
-            raise
-        except EngineError as exc:
-            if isinstance(exc, Overloaded):
-                rt.metrics.rejections.inc("ws", "overloaded")
-            raise ProtocolError(exc.code if exc.code in ERRORS else "internal", str(exc), exc.param,
-                                context_id=cid) from None
+            raise err from None
+        ctx = self.contexts[cid] = WsContext(self.out, rt.metrics, cid, opts, stream,
+                                             next(self._stream_ids) & 0xFFFFFFFF)
+        rt.metrics.active_contexts.inc("ws")
         if fault is not None:
             if fault[0] == "internal":
                 ctx.fault = "internal"
@@ -439,49 +431,17 @@ class WsSession:
                      opts.sampling.seed, opts.text_layout)
         return ctx
 
-    def _fault(self, body: dict) -> tuple[str, int] | None:
-        spec = body.get("test_fault")
-        if spec is None or not self.runtime.config.test_hooks:
-            return None
-        if not isinstance(spec, dict):
-            raise ProtocolError("invalid_field", "'test_fault' must be an object", "test_fault")
-        kind = get_str(spec, "kind", required=True, choices=FAULT_KINDS, param="test_fault.kind")
-        at = int(get_number(spec, "at_frame", minimum=0, param="test_fault.at_frame") or 0)
-        return kind, at
-
-    def _open(self, cid: str, opts: ContextOptions) -> WsContext:
-        rt = self.runtime
-        instructions = instruction_ids(opts, rt.tokenizer, rt.info)
-        fmt = opts.output_format
-        try:
-            output = OpusOutput(fmt.bitrate, complexity=rt.config.opus_complexity) if fmt.is_opus else \
-                PcmOutput(fmt.encoding, fmt.sample_rate)
-        except RuntimeError as exc:  # codec library missing
-            raise ProtocolError("unsupported_format", str(exc), "output_format") from None
-        stream = ContextStream.open(rt.engine, opts, instructions, AudioStream(output, segment_flush=True),
-                                    rt.executor, rt.tokenizer)  # InvalidRequest / Overloaded
-        ctx = WsContext(self.out, rt.metrics, cid, opts, stream, next(self._stream_ids) & 0xFFFFFFFF)
-        self.contexts[cid] = ctx
-        self.ended_ids.pop(cid, None)
-        rt.metrics.active_contexts.inc("ws")
-        return ctx
-
     def on_text(self, body: dict, event_id: Any) -> None:
-        text = body.get("text")
-        if not isinstance(text, str):
-            raise ProtocolError("invalid_field", "'text' must be a string", "text")
-        get_str(body, "text")  # valid Unicode
+        text = get_str(body, "text", required=True)
         flush = get_bool(body, "flush")
         flush_id = get_flush_id(body)
         if len(text) > self.limits.max_text_chars_per_message:
             raise ProtocolError("text_too_long", f"{len(text)} characters in one message; limit "
                                 f"{self.limits.max_text_chars_per_message} (limits.max_text_chars_per_message)",
                                 "text")
-        ctx = self._lookup(body, for_text=True)
+        ctx = self._lookup(body, for_text=True, input_param="text")
         if ctx is None:
             ctx = self._create(get_id(body, "context_id"), {}, event_id)
-        if ctx.stream.input_closed:
-            raise ProtocolError("context_closed", f"context {ctx.id!r} is closed (context.close was sent)", "text")
         if ctx.text_chars + len(text) > self.limits.max_text_chars_per_context:
             raise ProtocolError("text_too_long", f"context {ctx.id!r} would pass "
                                 f"{self.limits.max_text_chars_per_context} characters "
@@ -492,31 +452,23 @@ class WsSession:
 
     def on_flush(self, body: dict, event_id: Any) -> None:
         flush_id = get_flush_id(body)
-        ctx = self._lookup(body)
-        if ctx.stream.input_closed:
-            raise ProtocolError("context_closed", f"context {ctx.id!r} is closed (context.close was sent)",
-                                "context_id")
-        ctx.flush(flush_id, event_id)
+        self._lookup(body, input_param="context_id").flush(flush_id, event_id)
 
     def on_context_close(self, body: dict, event_id: Any) -> None:
-        ctx = self._lookup(body)
-        if ctx.stream.input_closed:
-            raise ProtocolError("context_closed", f"context {ctx.id!r} is already closed", "context_id")
+        ctx = self._lookup(body, input_param="context_id")
         ctx.close_event_id = event_id
-        ctx.close_input()
+        ctx.stream.close_input()
 
     def on_context_cancel(self, body: dict, event_id: Any) -> None:
         played = get_number(body, "played_ms", minimum=0)
-        cid = get_id(body, "context_id")
-        ctx = self.contexts.get(cid)
+        ctx = self._lookup(body, ended_ok=True)
         if ctx is None:
-            if cid in self.ended_ids:
-                self.out.send(ws_warning("context_not_active", f"context {cid!r} has already ended",
-                                         context_id=cid, event_id=event_id))
-                return
-            raise ProtocolError("unknown_context", f"no context {cid!r} on this socket", "context_id")
+            cid = body["context_id"]
+            self.out.send(ws_warning("context_not_active", f"context {cid!r} has already ended", context_id=cid,
+                                     event_id=event_id))
+            return
         ctx.cancel(played, event_id)
-        ctx.log.info("context %s cancelled by the client", cid)
+        ctx.log.info("context %s cancelled by the client", ctx.id)
 
     def on_cancel_all(self, body: dict, event_id: Any) -> None:
         played = parse_played_map(body.get("played"))
@@ -528,12 +480,9 @@ class WsSession:
         played = get_number(body, "played_ms", required=True, minimum=0)
         state = get_str(body, "state", required=True, choices=PLAYBACK_STATES)
         buffered = get_number(body, "buffered_ms", minimum=0)
-        cid = get_id(body, "context_id")
-        ctx = self.contexts.get(cid)
+        ctx = self._lookup(body, ended_ok=True)
         if ctx is None:
-            if cid in self.ended_ids:
-                return  # a late report for an ended context is accepted silently
-            raise ProtocolError("unknown_context", f"no context {cid!r} on this socket", "context_id")
+            return  # a late report for an ended context is accepted silently
         self.runtime.metrics.playback_reports.inc(state)
         ctx.report_playback(played, state, buffered)
 
@@ -552,6 +501,12 @@ class WsSession:
         ctx.log.info("context %s ended: %s (frames %d, generated %.0f ms, sent %.0f ms)%s", ctx.id, reason,
                      ctx.stream.frames, ctx.stream.generated_samples / 24.0, ctx.sent_end_ms,
                      phases_text(ctx.first_audio_phases))
+
+
+def _echoable_ids(obj: dict) -> dict:
+    """The message's event_id and context_id that its error may echo: valid ids only (a lone surrogate cannot be
+    written as UTF-8)."""
+    return {k: obj[k] for k in ("event_id", "context_id") if is_valid_id(obj.get(k))}
 
 
 # What each client message does (docs/protocol.md 1.1), by its `type` (server.protocol.CLIENT_TYPES).
@@ -605,29 +560,29 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     offered = websocket.scope.get("subprotocols") or []
     await websocket.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
 
-    async def refuse(code: str, message: str, close_code: int) -> None:
+    async def refuse(code: str, message: str, close_code: int | None = None) -> None:
+        """A fatal error, then the close: with the code's own close code (ERRORS) unless another is given."""
         rt.metrics.rejections.inc("ws", code)
         rt.metrics.errors.inc("ws", code)
         try:
             await websocket.send_text(dumps(ws_error(code, message, fatal=True)))
-            await websocket.close(close_code, message[:120])
+            await websocket.close(close_code or ERRORS[code].close_code, message[:120])
         except (RuntimeError, OSError, WebSocketDisconnect):
             pass
 
     headers = websocket.headers
     if not rt.origins.allows(headers.get("origin"), headers.get("host")):
-        return await refuse("origin_not_allowed", "this browser origin is not allowed (--allowed-origins)", 4003)
+        return await refuse("origin_not_allowed", "this browser origin is not allowed (--allowed-origins)")
     if rt.keys.enabled:
         key = bearer_token(headers) or query_token(websocket.scope.get("query_string", b"")) or \
             subprotocol_token(offered)
         if not rt.keys.check(key):
             return await refuse("unauthorized", "a valid API key is required: Authorization: Bearer <key>, "
-                                "?token=<key> or the subprotocol bearer.<key>", 4001)
+                                "?token=<key> or the subprotocol bearer.<key>")
     if rt.engine is None:
-        return await refuse("not_ready", "the model is still loading; retry shortly", 1013)
+        return await refuse("not_ready", "the model is still loading; retry shortly")
     if rt.draining:
         return await refuse("overloaded", "the server is draining; connect to another server", CLOSE_GOING_AWAY)
     if rt.config.max_sessions and len(rt.sessions) >= rt.config.max_sessions:
-        return await refuse("too_many_sessions", f"{rt.config.max_sessions} sessions are open (--max-sessions)",
-                            4029)
+        return await refuse("too_many_sessions", f"{rt.config.max_sessions} sessions are open (--max-sessions)")
     await WsSession(rt, websocket).run()
