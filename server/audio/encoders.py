@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .mp3 import Mp3StreamEncoder
 from .opus import OpusStreamEncoder
-from .pcm import PcmEncoder
+from .pcm import PCM_CONVERSIONS, Resampler, float_to_s16le
 
 MODEL_RATE = 24000
 
@@ -50,30 +49,37 @@ class _Closable:
 
 class PcmOutput(_Closable):
     """s16le, f32le or mu-law at any rate (docs/protocol.md 1.4); the HTTP `pcm` and `wav` bodies are s16le at
-    24 kHz."""
+    24 kHz. With resampling the output lags the input by the resampler's lookahead (under 4 ms): flush() emits
+    that tail and resets the resampler for the next segment (segments are separate generations, their audio is
+    not continuous anyway). `samples_out` counts the samples emitted since creation, on the output clock."""
 
     pre_skip = 0
 
     def __init__(self, encoding: str = "pcm_s16le", sample_rate: int = MODEL_RATE) -> None:
-        self._pcm = PcmEncoder(encoding, sample_rate, input_rate=MODEL_RATE)
+        if encoding not in PCM_CONVERSIONS:
+            raise ValueError(f"unknown PCM encoding {encoding!r}; expected one of {tuple(PCM_CONVERSIONS)}")
+        self._convert = PCM_CONVERSIONS[encoding]
+        self._resampler = Resampler(MODEL_RATE, sample_rate)
         self.clock_rate = sample_rate
-        self.cheap = sample_rate == MODEL_RATE  # no resampling: a cast of the samples
+        self.cheap = self._resampler.identity  # no resampling: a cast of the samples
+        self.samples_out = 0
 
-    def _packets(self, call: str, pcm_call, *args) -> list[AudioPacket]:
-        self._check_open(call)
-        start = self._pcm.samples_out
-        data = pcm_call(*args)
-        return [AudioPacket(data, start, len(data) // self._pcm.bytes_per_sample)] if data else []
+    def _packets(self, y: np.ndarray) -> list[AudioPacket]:
+        start = self.samples_out
+        self.samples_out += len(y)
+        return [AudioPacket(self._convert(y), start, len(y))] if len(y) else []
 
     def encode(self, x: np.ndarray) -> list[AudioPacket]:
-        return self._packets("encode", self._pcm.encode, x)
+        self._check_open("encode")
+        return self._packets(self._resampler.process(x))
 
     def flush(self) -> list[AudioPacket]:
-        return self._packets("flush", self._pcm.finish)
+        self._check_open("flush")
+        return self._packets(self._resampler.finish())
 
     @property
     def audio_end_ms(self) -> float:
-        return self._pcm.samples_out * 1000.0 / self.clock_rate
+        return self.samples_out * 1000.0 / self.clock_rate
 
 
 class OpusOutput(_Closable):
@@ -108,16 +114,33 @@ class OpusOutput(_Closable):
         return max(0, self._opus.audio_end - self.pre_skip) / 48.0
 
 
+class Mp3UnavailableError(RuntimeError):
+    """The lameenc package is missing."""
+
+
 class Mp3Output(_Closable):
-    """MP3 frames as LAME makes them (HTTP only). LAME holds audio back until close(), so a segment flush gives
-    nothing and packet times count the input samples consumed (24 kHz)."""
+    """MP3 frames as LAME (lameenc, prebuilt wheels on PyPI) makes them, HTTP only. 24 kHz mono is MPEG-2 Layer
+    III: 576-sample frames (24 ms); default 64 kbit/s CBR (plenty for speech at this rate; CBR keeps every frame
+    self-contained, so a client can start decoding anywhere, and needs no Xing header rewritten at the end). LAME
+    holds audio back (about one frame plus its lookahead) until close(), so a segment flush gives nothing and
+    packet times count the input samples consumed (24 kHz)."""
 
     clock_rate = MODEL_RATE
     pre_skip = 0
     cheap = False
 
-    def __init__(self, bitrate_kbps: int = 64) -> None:
-        self._mp3 = Mp3StreamEncoder(MODEL_RATE, bitrate_kbps=bitrate_kbps)
+    def __init__(self, bitrate_kbps: int = 64, *, quality: int = 5) -> None:
+        try:
+            import lameenc
+        except ImportError as exc:
+            raise Mp3UnavailableError("MP3 output needs the Python package lameenc: "
+                                      "pip install lameenc==1.9.0") from exc
+        self._enc = lameenc.Encoder()
+        self._enc.set_in_sample_rate(MODEL_RATE)
+        self._enc.set_out_sample_rate(MODEL_RATE)
+        self._enc.set_channels(1)
+        self._enc.set_bit_rate(bitrate_kbps)
+        self._enc.set_quality(quality)  # 2 best .. 7 fastest
         self._samples_in = 0
 
     def _packet(self, data: bytes, samples: int) -> list[AudioPacket]:
@@ -127,7 +150,8 @@ class Mp3Output(_Closable):
 
     def encode(self, x: np.ndarray) -> list[AudioPacket]:
         self._check_open("encode")
-        return self._packet(self._mp3.encode(x), len(x))
+        s16 = float_to_s16le(x)
+        return self._packet(bytes(self._enc.encode(s16)) if s16 else b"", len(x))
 
     def flush(self) -> list[AudioPacket]:
         return []
@@ -136,7 +160,7 @@ class Mp3Output(_Closable):
         if self._closed:
             return []
         self._closed = True
-        return self._packet(self._mp3.finish(), 0)
+        return self._packet(bytes(self._enc.flush()), 0)
 
     @property
     def audio_end_ms(self) -> float:
