@@ -8,10 +8,11 @@ rest at the context end, after which encode() raises. `clock_rate` is the clock 
 decoder clock for Opus, else the output rate); `pre_skip` the Opus decoder's skip (0 otherwise); `audio_end_ms`
 the listener-timeline end of the audio flushed so far, counting the silence flushes inserted, since it is heard.
 
-These are plain synchronous objects, cheap per 80 ms chunk (well under a millisecond except Opus, about 0.2 ms
-per 20 ms packet): run their calls in a thread pool executor, one call at a time per object, in order, except
-where `cheap` says the call is a cast (PCM at the model's rate): that costs less on the event loop than the two
-thread hops, each of which can wait for the GIL under load.
+These are plain synchronous objects, cheap per 80 ms chunk (well under a millisecond except Opus: about 0.2 ms
+of one CPU core per 20 ms packet at complexity 10, 0.05 ms at 5, on a shared 2-core machine): run their calls in
+a thread pool executor, one call at a time per object, in order, except where `cheap` says the call is a cast
+(PCM at the model's rate): that costs less on the event loop than the two thread hops, each of which can wait for
+the GIL under load.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .opus import OpusStreamEncoder
 from .pcm import PCM_CONVERSIONS, Resampler, float_to_s16le
 
 MODEL_RATE = 24000
+_OPUS_SCALE = 48000 // MODEL_RATE  # Opus decoder-clock samples per input sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,36 +83,102 @@ class PcmOutput(_Closable):
         return self.samples_out * 1000.0 / self.clock_rate
 
 
+class OpusUnavailableError(RuntimeError):
+    """opuslib or the libopus shared library is missing."""
+
+
 class OpusOutput(_Closable):
-    """Raw 20 ms Opus packets; `end_sample` is the decoder-clock position just after the last real sample flushed
-    (an Ogg file's final granule)."""
+    """Raw 20 ms Opus packets (480 input samples) over opuslib (libopus through ctypes, which releases the GIL).
+
+    Clocks. Opus always decodes at 48 kHz as far as timing goes. The encoder delays its input by its lookahead, so
+    a decoder's output sample t (48 kHz) is input instant t - pre_skip; the client drops the first `pre_skip`
+    decoded samples (docs/protocol.md 1.4, RFC 7845). `start_sample` is on the decoder clock: the first packet
+    starts at 0 and each packet starts where the previous one ended (the RTP / Ogg convention), so the
+    listener-timeline position of a packet's first sample is `start_sample - pre_skip`. `end_sample` is the
+    decoder-clock position just after the last real sample flushed (an Ogg file's final granule).
+
+    encode(x) returns the whole 20 ms packets now complete (a partial frame is held back). flush() emits everything
+    held plus enough zeros to push the encoder's lookahead (6.5 ms) out, so every real sample fed so far is
+    decodable; the stream goes on. Packets stay 20 ms: a flush inserts 6.5 to 26.5 ms of silence into the timeline
+    (zeros that the listener hears; the next segment starts after them). Smaller Opus frames would pad less, but
+    libopus at complexity >= 7 in VBR starves a 10/5/2.5 ms frame that follows 20 ms ones (3-byte packets,
+    audible damage), so they are not used.
+
+    Application: AUDIO (OPUS_APPLICATION_AUDIO). TTS output is finished audio for a listener, not a live
+    microphone: AUDIO favours fidelity (and music-like prosody and breaths) over the VOIP mode's
+    speech-intelligibility pre-processing; both have the same lookahead.
+    """
 
     clock_rate = 48000
     cheap = False
 
     def __init__(self, bitrate: int = 32000, *, complexity: int = 10) -> None:
-        self._opus = OpusStreamEncoder(MODEL_RATE, bitrate=bitrate, complexity=complexity)
-        self.pre_skip = self._opus.pre_skip
+        if not 500 <= bitrate <= 512000:
+            raise ValueError("Opus bitrate must be within 500..512000 bit/s")
+        try:
+            import opuslib  # imported lazily: only Opus streams need libopus
+        except ImportError as exc:
+            raise OpusUnavailableError("Opus output needs the Python package opuslib: pip install opuslib==3.0.1 "
+                                       "(and the libopus library: apt-get install libopus0)") from exc
+        except Exception as exc:  # opuslib raises a bare Exception when it cannot find libopus
+            raise OpusUnavailableError(f"Opus output needs the libopus shared library, which was not found ({exc}); "
+                                       "install it: apt-get install libopus0") from exc
+        self._enc = opuslib.Encoder(MODEL_RATE, 1, "audio")
+        self._enc.bitrate = bitrate
+        self._enc.complexity = complexity
+        self._enc.vbr = 1
+        self.frame_size = MODEL_RATE // 50  # 20 ms
+        self.lookahead = int(self._enc.lookahead)  # input-rate samples
+        self.pre_skip = self.lookahead * _OPUS_SCALE  # 48 kHz units
+        self._held = np.zeros(0, dtype=np.float32)
+        self.samples_fed = 0  # input-rate samples given to libopus, padding included
+        self._real_end = 0  # input clock, just after the last sample given to encode()
+        self._next_start = 0  # decoder clock of the next packet
+        self.end_sample = self.pre_skip
 
-    @staticmethod
-    def _packets(packets) -> list[AudioPacket]:
-        return [AudioPacket(p.data, p.start_sample, p.samples) for p in packets]
+    @property
+    def held(self) -> int:
+        return len(self._held)
 
     def encode(self, x: np.ndarray) -> list[AudioPacket]:
         self._check_open("encode")
-        return self._packets(self._opus.encode(x))
+        x = np.asarray(x, dtype=np.float32).reshape(-1)
+        if len(x) == 0:
+            return []
+        buf = np.concatenate((self._held, x)) if len(self._held) else x
+        self._real_end = self.samples_fed + len(buf)
+        fs = self.frame_size
+        n_frames = len(buf) // fs
+        packets = [self._encode_frame(buf[i * fs : (i + 1) * fs]) for i in range(n_frames)]
+        self._held = buf[n_frames * fs :].copy()
+        return packets
 
     def flush(self) -> list[AudioPacket]:
         self._check_open("flush")
-        return self._packets(self._opus.flush())
+        end48 = self._real_end * _OPUS_SCALE + self.pre_skip  # decoder clock, just after the last real sample
+        if end48 <= self._next_start:
+            return []  # every real sample is decodable already (nothing new since the last flush)
+        need = self._real_end + self.lookahead - self.samples_fed  # input samples to feed now (> 0 here)
+        fs = self.frame_size
+        n_frames = -(-need // fs)
+        buf = np.zeros(n_frames * fs, dtype=np.float32)
+        buf[: len(self._held)] = self._held
+        self._held = np.zeros(0, dtype=np.float32)
+        packets = [self._encode_frame(buf[i * fs : (i + 1) * fs]) for i in range(n_frames)]
+        self.end_sample = end48
+        return packets
 
-    @property
-    def end_sample(self) -> int:
-        return self._opus.audio_end
+    def _encode_frame(self, frame: np.ndarray) -> AudioPacket:
+        n = len(frame)
+        data = self._enc.encode_float(np.ascontiguousarray(frame, dtype=np.float32).tobytes(), n)
+        start = self._next_start
+        self.samples_fed += n
+        self._next_start += n * _OPUS_SCALE
+        return AudioPacket(data, start, n * _OPUS_SCALE)
 
     @property
     def audio_end_ms(self) -> float:
-        return max(0, self._opus.audio_end - self.pre_skip) / 48.0
+        return max(0, self.end_sample - self.pre_skip) / 48.0
 
 
 class Mp3UnavailableError(RuntimeError):
