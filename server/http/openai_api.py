@@ -289,7 +289,7 @@ class SpeechStream(Response):
 
     async def _synthesis_failed(self, send, ev: ContextDone) -> None:
         self.reason = "error"
-        code = ev.error_code if ev.error_code in ("synthesis_failed", "internal") else "synthesis_failed"
+        code = "internal" if ev.error_code == "internal" else "synthesis_failed"  # as the WebSocket door answers
         await self._send_error(send, code, f"synthesis failed: {ev.error_message or 'model error'}")
 
     async def _end_drained(self, send) -> None:
