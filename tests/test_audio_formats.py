@@ -10,7 +10,7 @@ import pytest
 from server.audio import (
     CONTENT_TYPES,
     HEADER_SIZE,
-    Mp3StreamEncoder,
+    Mp3Output,
     Mp3UnavailableError,
     OpusOutput,
     PcmOutput,
@@ -121,10 +121,11 @@ def mp3_frames(data):
 def test_mp3_stream():
     n = SR * 2
     x = sine(440.0, n)
-    enc = Mp3StreamEncoder(bitrate_kbps=64)
-    parts = [enc.encode(x[i : i + 1920]) for i in range(0, n, 1920)]
+    enc = Mp3Output(bitrate_kbps=64)
+    parts = [b"".join(p.payload for p in enc.encode(x[i : i + 1920])) for i in range(0, n, 1920)]
     assert sum(len(p) for p in parts[:5]) > 0  # bytes come out while streaming, not only at the end
-    parts.append(enc.finish())
+    assert enc.flush() == []  # LAME holds audio back until close()
+    parts += [p.payload for p in enc.close()]
     data = b"".join(parts)
     assert data[:2] in (b"\xff\xf3", b"\xff\xf2") or data[:3] == b"ID3"
     frames = mp3_frames(data)
@@ -138,7 +139,7 @@ def test_mp3_stream():
 def test_missing_lameenc_is_clear(monkeypatch):
     monkeypatch.setitem(sys.modules, "lameenc", None)
     with pytest.raises(Mp3UnavailableError, match="pip install lameenc"):
-        Mp3StreamEncoder()
+        Mp3Output()
 
 
 # ------------------------------------------------------------------------------------ outputs and files

@@ -12,7 +12,7 @@ import numpy as np
 import opuslib  # required, not skipped: CI installs opuslib and libopus0 (a missing one must fail loudly)
 import pytest
 
-from server.audio import OggOpusWriter, OpusStreamEncoder, OpusUnavailableError, open_audio_file
+from server.audio import OggOpusWriter, OpusOutput, OpusUnavailableError, open_audio_file
 from server.audio.ogg import ogg_crc, opus_packet_samples
 
 SR = 24000
@@ -31,7 +31,7 @@ def encode_all(enc, x, chunk=1920):
 
 def decode(packets):
     dec = opuslib.Decoder(48000, 1)
-    return np.concatenate([np.frombuffer(dec.decode_float(p.data, 5760), np.float32) for p in packets])
+    return np.concatenate([np.frombuffer(dec.decode_float(p.payload, 5760), np.float32) for p in packets])
 
 
 def fitted_snr_db(y, freq, rate=48000, block=4800):
@@ -48,19 +48,19 @@ def fitted_snr_db(y, freq, rate=48000, block=4800):
 
 
 def test_pre_skip_and_packets():
-    enc = OpusStreamEncoder()
+    enc = OpusOutput()
     assert enc.pre_skip == 2 * enc.lookahead == 312  # libopus lookahead at 24 kHz: 2.5 + 4 ms
     n = SR // 2 + 100
     packets = encode_all(enc, sine(1000.0, n))
     assert len(packets) == n // 480 and enc.held == 100
-    assert all(p.samples == 960 == p.real_samples == opus_packet_samples(p.data) for p in packets)
-    tail = enc.finish()
+    assert all(p.samples == 960 == opus_packet_samples(p.payload) for p in packets)
+    tail = enc.close()
     # the 100 held samples plus the 156-sample lookahead fit in one padded 20 ms packet
     assert len(tail) == 1 and tail[0].samples == 960
-    assert tail[0].real_samples == 2 * 100 + enc.pre_skip
     packets += tail
     assert [p.start_sample for p in packets] == [960 * i for i in range(len(packets))]
-    assert enc.audio_end == enc.pre_skip + 2 * n == packets[-1].start_sample + packets[-1].real_samples
+    # real audio ends inside the padded packet, after its 100 held samples and the pre-skip
+    assert enc.end_sample == enc.pre_skip + 2 * n == tail[0].start_sample + 2 * 100 + enc.pre_skip
     with pytest.raises(RuntimeError):
         enc.encode(sine(1000.0, 10))
 
@@ -69,11 +69,11 @@ def test_pre_skip_and_packets():
 def test_decoded_duration_frequency_and_snr(chunk):
     n = SR + 123
     x = sine(1000.0, n)
-    enc = OpusStreamEncoder(bitrate=32000)
-    packets = encode_all(enc, x, chunk) + enc.finish()
+    enc = OpusOutput(bitrate=32000)
+    packets = encode_all(enc, x, chunk) + enc.close()
     y = decode(packets)
     assert len(y) == sum(p.samples for p in packets)
-    y = y[enc.pre_skip : enc.audio_end]
+    y = y[enc.pre_skip : enc.end_sample]
     assert len(y) == 2 * n  # after pre-skip and end trimming: exactly the input duration at 48 kHz
     spec = np.abs(np.fft.rfft(y * np.hanning(len(y))))
     assert abs(np.argmax(spec) * 48000 / len(y) - 1000.0) <= 2.0
@@ -85,17 +85,17 @@ def test_decoded_duration_frequency_and_snr(chunk):
 
 
 def test_flush_keeps_timeline_and_stream_continues():
-    enc = OpusStreamEncoder()
+    enc = OpusOutput()
     a, b = sine(500.0, 4900), sine(1500.0, 7000)
     p1 = encode_all(enc, a)
     p1 += enc.flush()
-    end1 = enc.audio_end
+    end1 = enc.end_sample
     assert end1 == enc.pre_skip + 2 * len(a)
     assert enc.flush() == []  # nothing new
     start_b = enc.samples_fed  # the next segment starts after the flush's padding
     assert 0 <= start_b - len(a) - enc.lookahead < 480
-    p2 = encode_all(enc, b) + enc.finish()
-    assert enc.audio_end == enc.pre_skip + 2 * (start_b + len(b))
+    p2 = encode_all(enc, b) + enc.close()
+    assert enc.end_sample == enc.pre_skip + 2 * (start_b + len(b))
     packets = p1 + p2
     assert [p.start_sample for p in packets] == [960 * i for i in range(len(packets))]
     y = decode(packets)[enc.pre_skip :]
@@ -110,8 +110,8 @@ def test_bitrate_setting_changes_size():
     x = (np.random.default_rng(1).standard_normal(SR) * 0.2).astype(np.float32)
     sizes = {}
     for br in (16000, 64000):
-        enc = OpusStreamEncoder(bitrate=br)
-        sizes[br] = sum(len(p.data) for p in encode_all(enc, x) + enc.finish())
+        enc = OpusOutput(bitrate=br)
+        sizes[br] = sum(len(p.payload) for p in encode_all(enc, x) + enc.close())
     assert sizes[64000] > 2.5 * sizes[16000]
     assert 0.6 < sizes[64000] * 8 / 1.0 / 64000 < 1.3
 
@@ -119,7 +119,7 @@ def test_bitrate_setting_changes_size():
 def test_missing_opuslib_names_the_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "opuslib", None)
     with pytest.raises(OpusUnavailableError, match="apt-get install libopus0"):
-        OpusStreamEncoder()
+        OpusOutput()
 
 
 # ---------------------------------------------------------------------------------------------------- Ogg

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from server.audio import (
-    PcmEncoder,
+    PcmOutput,
     Resampler,
     float_to_f32le,
     float_to_mulaw,
@@ -133,21 +133,24 @@ def test_identity_resampler_and_pcm_encoder():
     np.testing.assert_array_equal(rs.process(x), x)
     assert len(rs.finish()) == 0
 
-    enc = PcmEncoder("pcm_s16le", SR)
-    assert enc.encode(x) == float_to_s16le(x) and enc.finish() == b"" and enc.samples_out == len(x)
-    assert PcmEncoder("pcm_f32le").encode(x) == x.astype("<f4").tobytes()
+    def pcm_bytes(packets):
+        return b"".join(p.payload for p in packets)
 
-    enc = PcmEncoder("pcm_mulaw", 8000)
-    data = b"".join(enc.encode(x[i : i + 1920]) for i in range(0, len(x), 1920)) + enc.finish()
+    enc = PcmOutput("pcm_s16le", SR)
+    assert pcm_bytes(enc.encode(x)) == float_to_s16le(x) and enc.flush() == [] and enc.samples_out == len(x)
+    assert pcm_bytes(PcmOutput("pcm_f32le").encode(x)) == x.astype("<f4").tobytes()
+
+    enc = PcmOutput("pcm_mulaw", 8000)
+    data = pcm_bytes([p for i in range(0, len(x), 1920) for p in enc.encode(x[i : i + 1920])] + enc.flush())
     assert len(data) == enc.samples_out == -(-len(x) // 3)
     y8 = run_chunked(Resampler(SR, 8000), x, [len(x)])
     assert data == float_to_mulaw(y8)
-    # the encoder takes the next segment after finish(); samples_out keeps counting
-    more = enc.encode(x) + enc.finish()
+    # the output takes the next segment after flush(); samples_out keeps counting
+    more = pcm_bytes(enc.encode(x) + enc.flush())
     assert len(more) == -(-len(x) // 3) and enc.samples_out == 2 * len(more)
 
-    enc = PcmEncoder("pcm_s16le", 16000)
-    data = enc.encode(x) + enc.finish()
+    enc = PcmOutput("pcm_s16le", 16000)
+    data = pcm_bytes(enc.encode(x) + enc.flush())
     assert len(data) == 2 * -(-len(x) * 2 // 3)
     with pytest.raises(ValueError):
-        PcmEncoder("pcm_s24le")
+        PcmOutput("pcm_s24le")

@@ -5,7 +5,7 @@ Page layout: page 0 holds only the OpusHead packet (BOS flag), page 1 only OpusT
 bytes can be sent at once: give it the packets one encode() call produced (four per 80 ms chunk) for low page
 overhead and no added latency. A page's granule position is the 48 kHz decoder-clock sample count through its
 last packet (pre-skip included, as RFC 7845 defines it); the last page carries the EOS flag and may carry a
-smaller granule position that trims the padding at the end (`end_granule`, e.g. OpusStreamEncoder.audio_end).
+smaller granule position that trims the padding at the end (`end_granule`, e.g. OpusOutput.end_sample).
 """
 
 from __future__ import annotations

@@ -198,38 +198,5 @@ class Resampler:
         return y.astype(np.float32)
 
 
-# ---------------------------------------------------------------------------------------------- PCM encoder
-
-# encoding -> (bytes a sample, the conversion from float32)
-_ENCODINGS = {"pcm_s16le": (2, float_to_s16le), "pcm_f32le": (4, float_to_f32le), "pcm_mulaw": (1, float_to_mulaw)}
-PCM_ENCODINGS = tuple(_ENCODINGS)
-
-
-class PcmEncoder:
-    """Per-stream float32 (at `input_rate`) -> PCM bytes at `sample_rate`, in one of PCM_ENCODINGS.
-
-    `encode()` returns whole samples only. With resampling the output lags the input by the resampler's
-    lookahead (under 4 ms); `finish()` returns that tail and resets the encoder, so it can take the next segment
-    (call it at each segment end: segments are separate generations and their audio is not continuous anyway).
-    `samples_out` counts the samples emitted since creation (across finish() calls): the start_sample of the next
-    packet on the PCM clock.
-    """
-
-    def __init__(self, encoding: str = "pcm_s16le", sample_rate: int = 24000, *, input_rate: int = 24000) -> None:
-        if encoding not in _ENCODINGS:
-            raise ValueError(f"unknown PCM encoding {encoding!r}; expected one of {PCM_ENCODINGS}")
-        self.bytes_per_sample, self._convert = _ENCODINGS[encoding]
-        self._resampler = None if sample_rate == input_rate else Resampler(input_rate, sample_rate)
-        self.samples_out = 0
-
-    def encode(self, x: np.ndarray) -> bytes:
-        y = np.asarray(x, dtype=np.float32) if self._resampler is None else self._resampler.process(x)
-        self.samples_out += len(y)
-        return self._convert(y) if len(y) else b""
-
-    def finish(self) -> bytes:
-        if self._resampler is None:
-            return b""
-        y = self._resampler.finish()
-        self.samples_out += len(y)
-        return self._convert(y) if len(y) else b""
+# encoding -> the conversion from float32 (server.audio.encoders.PcmOutput)
+PCM_CONVERSIONS = {"pcm_s16le": float_to_s16le, "pcm_f32le": float_to_f32le, "pcm_mulaw": float_to_mulaw}

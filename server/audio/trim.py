@@ -38,7 +38,7 @@ _EMPTY = np.zeros(0, dtype=np.float32)
 class LeadingSilenceTrimmer:
     """Per-segment, streaming. Feed float32 mono chunks of any length with `process()`, call `finish()` at the end
     of the segment, then `reset()` (or make a new object) for the next segment. Not thread-safe: one call at a
-    time per object. Callers read `dropped`, `onset`, `passing` and `held` (see reset())."""
+    time per object. Callers read `dropped`, `onset`, `passing`, `received` and `held` (see reset())."""
 
     def __init__(
         self,
@@ -71,7 +71,7 @@ class LeadingSilenceTrimmer:
         self._buf = _EMPTY  # held samples, float32
         self._buf_start = 0  # segment index of _buf[0]
         self._next_win = 0  # segment index where the next unevaluated window starts
-        self._total = 0  # samples received in this segment
+        self.received = 0  # samples received in this segment
         self.dropped = 0  # samples of this segment dropped so far
         self.onset: int | None = None  # the refined onset, counted from the segment's first sample
         self.passing = False  # audio passes through (onset found, cap reached, or finished)
@@ -82,18 +82,13 @@ class LeadingSilenceTrimmer:
         """Samples held back now."""
         return len(self._buf)
 
-    @property
-    def received(self) -> int:
-        """Samples received in this segment."""
-        return self._total
-
     def process(self, chunk: np.ndarray) -> np.ndarray:
         """Feed the next samples of the segment; returns the samples to emit now (float32, possibly empty; once
         passing, the input itself as float32, uncopied when it already was float32)."""
         if self._finished:
             raise RuntimeError("process() after finish(); call reset() for the next segment")
         x = np.asarray(chunk, dtype=np.float32).reshape(-1)
-        self._total += len(x)
+        self.received += len(x)
         if self.passing:
             return x
         if len(x) == 0:
@@ -113,7 +108,7 @@ class LeadingSilenceTrimmer:
         if self.passing:
             return out
         # No onset anywhere: the segment is silence. Drop it (up to the cap).
-        return self._pass_from(self._total if self.max_trim is None else min(self._total, self.max_trim))
+        return self._pass_from(self.received if self.max_trim is None else min(self.received, self.max_trim))
 
     # ----------------------------------------------------------------- private
 
@@ -176,6 +171,6 @@ class LeadingSilenceTrimmer:
         out = self._buf[keep_from - bs :]
         self.dropped += keep_from - bs
         self._buf = _EMPTY
-        self._buf_start = self._total
+        self._buf_start = self.received
         self.passing = True
         return out

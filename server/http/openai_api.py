@@ -168,6 +168,7 @@ async def speech(request: Request) -> Response:
             rt.metrics.rejections.inc("http", "rate_limited")
             return error_response("rate_limited", f"over {limiter.rps:g} requests/s (burst {limiter.burst}); retry "
                                   f"in {wait:.1f} s", headers={"Retry-After": limiter.retry_after(wait)})
+    stream = None
     try:
         obj = parse_json_object(await read_body(request, rt.config.http_max_body_bytes,
                                                 rt.config.http_body_timeout_s))
@@ -188,18 +189,14 @@ async def speech(request: Request) -> Response:
                                     AudioStream(file.output, segment_flush=False), rt.executor)
         if isinstance(fault, dict) and fault.get("kind") in ("exception", "nan"):  # test hook
             stream.ectx.inject_fault(fault["kind"], int(fault.get("at_frame") or 0))
+        stream.add_segments(segments)  # EngineError, e.g. whole-layout text longer than the prompt may be
     except (ProtocolError, EngineError) as exc:
         err = as_protocol_error(exc)
         rt.metrics.errors.inc("http", err.code)
-        if err.code in ("overloaded", "text_too_long"):
+        if stream is not None:
+            stream.cancel()
+        elif err.code in ("overloaded", "text_too_long"):  # refused before a context opened
             rt.metrics.rejections.inc("http", err.code)
-        return error_response(err.code, err.message, err.param)
-    try:
-        stream.add_segments(segments)
-    except EngineError as exc:  # e.g. whole-layout text longer than the prompt may be
-        stream.cancel()
-        err = as_protocol_error(exc)
-        rt.metrics.errors.inc("http", err.code)
         return error_response(err.code, err.message, err.param)
     context_logger(stream.trace_id).info(
         "speech request: %d characters, %d tokens in %d segment(s), voice %s, %s%s, seed %d", len(req.text), n_tokens,
@@ -292,7 +289,7 @@ class SpeechStream(Response):
 
     async def _synthesis_failed(self, send, ev: ContextDone) -> None:
         self.reason = "error"
-        code = ev.error_code if ev.error_code in ("synthesis_failed", "internal") else "synthesis_failed"
+        code = "internal" if ev.error_code == "internal" else "synthesis_failed"  # as the WebSocket door answers
         await self._send_error(send, code, f"synthesis failed: {ev.error_message or 'model error'}")
 
     async def _end_drained(self, send) -> None:

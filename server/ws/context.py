@@ -176,9 +176,8 @@ class WsContext:
         """The engine ended the context (completed, max_frames, error) or the session timed it out."""
         reason = "timeout" if self.timeout_requested else ev.reason
         if reason == "error":
-            code = ev.error_code or "synthesis_failed"
-            self.out.send(ws_error(code if code in ("synthesis_failed", "internal") else "synthesis_failed",
-                                   f"synthesis failed: {ev.error_message or 'model error'}", context_id=self.id))
+            code = "internal" if ev.error_code == "internal" else "synthesis_failed"  # as the HTTP door answers
+            self.out.send(ws_error(code, f"synthesis failed: {ev.error_message or 'model error'}", context_id=self.id))
         if not self.last_sent:
             packets = await self.stream.close_audio()
             if self.cancelled:

@@ -70,9 +70,7 @@ class OutQueue:
     def put(self, item: OutItem, *, front: bool = False) -> None:
         item.size = len(item.data) if item.data is not None else (RENDERED_BYTES if item.render else 0)
         if item.purgeable and item.owner is not None:
-            acc = self._accounts.get(item.owner)
-            if acc is None:
-                acc = self._accounts[item.owner] = Account()
+            acc = self._accounts.setdefault(item.owner, Account())
             acc.items += 1
             acc.audio_s += item.audio_s
             acc.bytes += item.size

@@ -34,6 +34,7 @@ from server.auth import bearer_token, query_token, subprotocol_token
 from server.metrics import phases_text
 from server.options import resolve_context_options
 from server.protocol import (
+    CLIENT_TYPES,
     CLOSE_GOING_AWAY,
     CLOSE_INTERNAL,
     CLOSE_NORMAL,
@@ -509,19 +510,10 @@ def _echoable_ids(obj: dict) -> dict:
     return {k: obj[k] for k in ("event_id", "context_id") if is_valid_id(obj.get(k))}
 
 
-# What each client message does (docs/protocol.md 1.1), by its `type` (server.protocol.CLIENT_TYPES).
+# What each client message does (docs/protocol.md 1.1): the handler of type `context.create` is
+# WsSession.on_context_create, and so on for every type of server.protocol.CLIENT_TYPES.
 HANDLERS: dict[str, Callable[[WsSession, dict, Any], None]] = {
-    "session.update": WsSession.on_session_update,
-    "session.close": WsSession.on_session_close,
-    "context.create": WsSession.on_context_create,
-    "text": WsSession.on_text,
-    "flush": WsSession.on_flush,
-    "context.close": WsSession.on_context_close,
-    "context.cancel": WsSession.on_context_cancel,
-    "cancel_all": WsSession.on_cancel_all,
-    "playback": WsSession.on_playback,
-    "ping": WsSession.on_ping,
-}
+    t: getattr(WsSession, "on_" + t.replace(".", "_")) for t in CLIENT_TYPES}
 
 
 def _uvicorn_protocol(ws: WebSocket):
