@@ -3,7 +3,8 @@
 # Made here, once per checkout (both folders are git-ignored; name them in the call's carry list):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux1_x86_64 \
-#       --platform any -d .whl starlette uvicorn httptools websockets lameenc prometheus_client dashscope==2.0.2 sniffio
+#       --platform any -d .whl starlette uvicorn httptools uvloop websockets lameenc prometheus_client \
+#       dashscope==2.0.2 sniffio anyio h11
 #   pip wheel --no-deps -w .whl opuslib==3.0.1        # an sdist only: pure Python, so the wheel is portable
 #   (mkdir -p .deb && cd .deb && apt-get download libopus0)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
