@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="benchmark length mode: N frames per word (docs/protocol.md 1.6); 0 = off. Default: 5 for "
                         "random weights (they never end an utterance by themselves), off for checkpoints")
     g.add_argument("--admission-load", type=float, default=eng.admission_load)
+    g.add_argument("--admission-first-audio-ms", type=float, default=eng.admission_first_audio_s * 1e3,
+                   help="refuse a request whose predicted first audio is later than this; 0 = off")
     g.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off", "emulate"],
                    help="capture the per-step stages as CUDA graphs (auto: on for CUDA devices)")
     g.add_argument("--debug-sync", action="store_true",
@@ -146,7 +148,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
     if bench is None:
         bench = RANDOM_FRAMES_PER_WORD if is_random(a.model) else 0
     sched = replace(SchedulerConfig(), max_slots=a.max_slots, bench_frames_per_word=bench,
-                    admission_load=a.admission_load, safety_lead_s=a.safety_lead_s,
+                    admission_load=a.admission_load, admission_first_audio_s=a.admission_first_audio_ms / 1e3,
+                    safety_lead_s=a.safety_lead_s,
                     max_step_s=a.max_step_ms / 1e3)
     engine = EngineConfig(scheduler=sched, max_frames=a.max_frames, max_prompt_tokens=a.max_prompt_tokens,
                           cuda_graphs=a.cuda_graphs, debug_sync=a.debug_sync,

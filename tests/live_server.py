@@ -4,9 +4,10 @@ started once per configuration for the whole pytest session, reached over loopba
     server = live_server(tiny_checkpoint, "default")      # shared by every test module that asks for it
     server.ws_url, server.http_url, server.log_tail()
 
-Test servers run with admission by predicted load off (--admission-load 1000): the CPU is shared with other test
-processes, and admission is the engine's own test subject. They use one torch thread (OpenMP workers spin between
-ops, and several servers share the machine's cores).
+Test servers run with admission by predicted load and by predicted first audio off (--admission-load 1000,
+--admission-first-audio-ms 0): the CPU is shared with other test processes, and admission is the engine's own test
+subject. They use one torch thread (OpenMP workers spin between ops, and several servers share the machine's
+cores).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from voicelane_wire import unpack_frame
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE_ARGS = ["--device", "cpu", "--cpu-threads", "1", "--max-frames", "64", "--admission-load", "1000",
-             "--encode-threads", "2", "--log-level", "info"]
+             "--admission-first-audio-ms", "0", "--encode-threads", "2", "--log-level", "info"]
 
 CONFIGS: dict[str, list[str]] = {
     # protocol, HTTP, determinism tests: 2 frames per word makes lengths exact and short
