@@ -44,6 +44,12 @@ class SchedulerConfig:
     # p50 / p95 first audio by about 1 ms at 10 and 20 RPS. Used where steps run asynchronously (CUDA, the
     # simulator); 0 = plan at once.
     plan_lead_s: float = 0.002
+    # A second lane for first audio: the steps of requests in the first-audio class (and every prefill) are
+    # planned and launched on their own high-priority CUDA stream, beside the playing streams' steps, so a
+    # newcomer never queues behind a running step (issue 13 item 3). Its batches hold at most first_lane_max_batch
+    # rows (its own CUDA graphs are captured up to that bucket). Off: one lane, one stream.
+    first_audio_lane: bool = False
+    first_lane_max_batch: int = 4
 
     @property
     def slots(self) -> int:
@@ -72,6 +78,10 @@ class SchedulerConfig:
                                     f"{self.admission_first_audio_s}; both must be >= 0")
         if self.plan_lead_s < 0:
             raise EngineConfigError(f"plan_lead_s = {self.plan_lead_s}; use 0 (plan at once) or seconds")
+        if self.first_audio_lane and self.policy != "first_audio":
+            raise EngineConfigError("first_audio_lane needs policy 'first_audio' (the lane serves that class)")
+        if self.first_lane_max_batch < 1:
+            raise EngineConfigError(f"first_lane_max_batch = {self.first_lane_max_batch}; it must be >= 1")
         if self.bench_frames_per_word < 0:
             raise EngineConfigError(f"bench_frames_per_word = {self.bench_frames_per_word}; use 0 (off) or more")
 

@@ -2,6 +2,11 @@
 
 A step's results are read one iteration late, so the host never waits for the device inside a step; the
 scheduler's state changes under one lock, held only for planning and bookkeeping, never during model work.
+
+With two lanes (SchedulerConfig.first_audio_lane) each lane is such a pipeline of its own on its own device stream:
+the first-audio lane (newcomers) and the main lane (playing streams). The loop then never blocks on one lane's
+step: it plans whatever a lane can take, collects whatever the device has finished, and otherwise waits for the
+earliest predicted end or for a call (a newcomer's text), whichever comes first.
 """
 
 from __future__ import annotations
@@ -9,7 +14,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.scheduler import Scheduler
@@ -20,6 +27,17 @@ if TYPE_CHECKING:  # the loop itself needs no torch: the simulator drives it wit
     from engine.runner import Pending, Runner
 
 log = logging.getLogger("voicelane.engine")
+POLL_S = 0.0002  # a step past its predicted end: look again this often (a wait that any call cuts short)
+
+
+@dataclass
+class Lane:
+    """One pipeline of steps on the device: at most two launched and not yet collected, oldest first."""
+
+    name: str  # "first" (the first-audio lane) or "main"
+    queue: deque = field(default_factory=deque)  # Pending
+    ends: deque = field(default_factory=deque)  # predicted device end of each queued step (None: not measured)
+    launched: int = 0  # steps launched on this lane so far
 
 
 class EngineCore:
@@ -40,8 +58,17 @@ class EngineCore:
         self.crashed: BaseException | None = None
         self.on_crash: Callable[[BaseException], None] | None = None
         self.last_plan = None
+        self.lanes = [Lane("first"), Lane("main")] if scheduler.cfg.first_audio_lane else []
+        self._collected_at = 0.0  # when the last collect returned (the device had finished that step by then)
+
+    @property
+    def busy(self) -> bool:
+        """Is any step launched and not yet collected?"""
+        return self.in_flight is not None or any(lane.queue for lane in self.lanes)
 
     def step(self) -> bool:
+        if self.lanes:
+            return self._step_lanes()
         if self.plan_lead_s and self.in_flight is not None and self.in_flight_end is not None:
             # Late planning: what arrives while the device runs its step still makes the next one.
             wait = self.in_flight_end - self.plan_lead_s - self.clock()
@@ -50,17 +77,68 @@ class EngineCore:
         with self.lock:
             plan = self.scheduler.plan(self.clock())
         self.last_plan = plan
+        launched_at = self.clock()
         launched = self.runner.launch(plan) if plan is not None else None
+        behind = self.in_flight is not None
         self._finish(self.in_flight)
         self.in_flight = launched
         self.in_flight_end = None
         if launched is not None and self.plan_lead_s:
-            # The device starts it now: the step before has just been collected (or none was in flight).
-            rows = plan.rows
-            predicted = self.scheduler.costs.step_s(plan.stage, len(rows), max(rows[0].chunk, 1))
+            # The step's measured time runs from its launch's start on an idle device (the host's enqueueing
+            # counts) and from the end of the step before it otherwise, which the collect just waited for.
+            start = max(launched_at, self._collected_at) if behind else launched_at
+            predicted = self._predicted_s(plan)
             if predicted is not None:
-                self.in_flight_end = self.clock() + predicted
+                self.in_flight_end = start + predicted
         return plan is not None
+
+    def _predicted_s(self, plan) -> float | None:
+        return self.scheduler.costs.step_s(plan.stage, len(plan.rows), max(r.chunk for r in plan.rows) or 1)
+
+    def _step_lanes(self) -> bool:
+        """One pass over the lanes: plan and launch what each can take (the first-audio lane first, at once; the
+        main lane plan_lead_s before its queued step ends), collect what the device has finished, else wait."""
+        self.wake.clear()  # a call from here on cuts the wait below short
+        progressed = False
+        for lane in self.lanes:
+            if len(lane.queue) >= 2:
+                continue
+            if lane.name == "main" and lane.queue and self.plan_lead_s and lane.ends[-1] is not None \
+                    and lane.ends[-1] - self.plan_lead_s > self.clock():
+                continue  # late planning, as with one lane
+            with self.lock:
+                plan = self.scheduler.plan(self.clock(), lane.name)
+            if plan is None:
+                continue
+            self.last_plan = plan
+            launched_at = self.clock()
+            lane.queue.append(self.runner.launch(plan))
+            lane.launched += 1
+            predicted = self._predicted_s(plan)
+            start = launched_at if len(lane.queue) == 1 or lane.ends[-1] is None else max(launched_at, lane.ends[-1])
+            lane.ends.append(None if predicted is None else start + predicted)
+            progressed = True
+        for lane in self.lanes:
+            if lane.queue and self.runner.ready(lane.queue[0]):
+                lane.ends.popleft()
+                self._finish(lane.queue.popleft())
+                progressed = True
+        if progressed or not self.busy:
+            return progressed
+        now = self.clock()
+        moments = [lane.ends[0] for lane in self.lanes if lane.queue and lane.ends[0] is not None]
+        main = self.lanes[-1]
+        if len(main.queue) == 1 and main.ends[0] is not None and self.plan_lead_s:
+            moments.append(main.ends[0] - self.plan_lead_s)
+        self.wait_for_call(max(min(moments, default=now) - now, POLL_S))
+        return True
+
+    def wait_for_call(self, seconds: float) -> None:
+        """Wait this long, or less if a call (a newcomer's text, a cancel) comes in meanwhile."""
+        if self.sleep is self._wait:
+            self.wake.wait(seconds)
+        else:
+            self.sleep(seconds)
 
     def _wait(self, seconds: float) -> None:
         """Sleep, but wake at once for a call (a newcomer's text): planning it now is as early as it can run."""
@@ -71,6 +149,7 @@ class EngineCore:
         if pending is None:
             return
         result = self.runner.collect(pending)
+        self._collected_at = self.clock()
         with self.lock:
             events = self.scheduler.update(result, self.clock())
         rows = [r.cid for r in pending.plan.rows]
@@ -82,7 +161,7 @@ class EngineCore:
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Drive the loop on the caller's thread until nothing is runnable (tests, tools)."""
         for _ in range(max_steps):
-            if not self.step() and self.in_flight is None:
+            if not self.step() and not self.busy:
                 return
         raise RuntimeError(f"engine still busy after {max_steps} steps")
 
@@ -93,7 +172,7 @@ class EngineCore:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                if not self.step() and self.in_flight is None:
+                if not self.step() and not self.busy:
                     self.wake.wait(0.05)
                     self.wake.clear()
         except BaseException as exc:  # noqa: BLE001 - reported through /ready and the log

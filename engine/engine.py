@@ -181,6 +181,11 @@ class Engine:
         try:
             with torch.inference_mode():
                 count, seconds = graphs.capture_all()
+                if self.runner.first_graphs is not None:
+                    lane_count, lane_seconds = self.runner.first_graphs.capture_all()
+                    count, seconds = count + lane_count, seconds + lane_seconds
+                    log.info("first-audio lane: %d of these graphs, batches %s", lane_count,
+                             list(self.runner.first_graphs.buckets))
             self.graph_report = FastPath(enabled=graphs.mode == "cuda", mode=graphs.mode, graphs=count,
                                          capture_s=round(seconds, 2), batch_buckets=list(graphs.buckets),
                                          attention_buckets=list(graphs.kv_buckets), codec_chunks=list(graphs.chunks),
@@ -189,7 +194,7 @@ class Engine:
                                          prefill_eager_above=max(graphs.prefill_lengths, default=0))
             log.info("captured %d graphs (%s) in %.1f s", count, graphs.mode, seconds)
         except Exception as exc:  # noqa: BLE001 - reported, then served eagerly
-            self.runner.graphs = None
+            self.runner.graphs = self.runner.first_graphs = None
             self.graph_report = FastPath(False, f"capture failed: {type(exc).__name__}: {exc}")
             log.error("CUDA graph capture FAILED, serving eagerly (slow): %s", exc)
 
@@ -220,7 +225,20 @@ class Engine:
         return Readiness(model_loaded=True, warmed_up=self.warmed_up, engine_running=self.core.crashed is None,
                          device=str(self.loaded.device), dtype=str(self.loaded.dtype).replace("torch.", ""),
                          cuda_graphs=graphs, triton_kernels=self._kernels_report(),
-                         random_weights=self.loaded.random_weights)
+                         random_weights=self.loaded.random_weights, first_audio_lane=self._lane_report())
+
+    def _lane_report(self) -> FastPath:
+        runner = self.runner
+        if not runner.lanes:
+            return FastPath(False, "off (--first-audio-lane): newcomers share the one stream with playing streams")
+        first = runner.first_graphs
+        buckets = None if first is None else list(first.buckets)
+        if runner.streams is None:
+            return FastPath(True, "CPU device: the lanes alternate on the engine thread, no streams",
+                            batch_buckets=buckets)
+        graphs = None if first is None else first.pf.count + first.cp.count + first.tk.count + first.cd.count
+        return FastPath(True, mode="cuda streams (first-audio lane priority -1, main 0)", graphs=graphs,
+                        batch_buckets=buckets)
 
     def _kernels_report(self) -> FastPath:
         status = kernels.kernels_status()

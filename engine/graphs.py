@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.kernels.lanes import on_lane
 from engine.model.prompt import NO_CODEC
 
 log = logging.getLogger("voicelane.graphs")
@@ -47,10 +48,14 @@ class GraphBank:
     """Graphs of one stage function `fn(key, **inputs) -> tuple[Tensor, ...]`, keyed by (bucket, extra key)."""
 
     def __init__(self, name: str, fn: Callable[..., tuple[Tensor, ...]], make_inputs: Callable[[int, object], dict],
-                 pad_values: dict[str, float | int], capture: bool, pool=None):
+                 pad_values: dict[str, float | int], capture: bool, pool=None, lane: str | None = None,
+                 capture_stream=None):
         self.name, self.fn, self.make_inputs, self.pad_values = name, fn, make_inputs, pad_values
         self.capture = capture
         self.pool = pool
+        # A second lane's graphs are captured on a stream of their own: cuBLAS keeps a workspace per stream, and
+        # graphs captured on one stream would share it while the two lanes replay at once.
+        self.lane, self.capture_stream = lane, capture_stream
         self.entries: dict[tuple[int, object], _Captured] = {}
 
     def _entry(self, bucket: int, key: object) -> _Captured:
@@ -60,22 +65,26 @@ class GraphBank:
             if not self.capture:
                 entry = _Captured(None, inputs, ())
             else:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm-up: lazy init, autotuning, allocator
-                        self.fn(key, **inputs)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                try:
-                    with torch.cuda.graph(graph, pool=self.pool):
-                        outputs = self.fn(key, **inputs)
-                except Exception as exc:
-                    raise GraphCaptureError(f"{self.name} graph (batch {bucket}, key {key}): "
-                                            f"{type(exc).__name__}: {exc}") from exc
-                entry = _Captured(graph, inputs, outputs)
+                with on_lane(self.lane):
+                    entry = self._capture(inputs, key, bucket)
             self.entries[(bucket, key)] = entry
         return entry
+
+    def _capture(self, inputs: dict[str, Tensor], key: object, bucket: int) -> _Captured:
+        stream = self.capture_stream or torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: lazy init, autotuning, allocator
+                self.fn(key, **inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
+                outputs = self.fn(key, **inputs)
+        except Exception as exc:
+            raise GraphCaptureError(f"{self.name} graph (batch {bucket}, key {key}): "
+                                    f"{type(exc).__name__}: {exc}") from exc
+        return _Captured(graph, inputs, outputs)
 
     def run(self, bucket: int, key: object, n: int, values: dict[str, Tensor]) -> tuple[Tensor, ...]:
         """Copy the n real rows into the static inputs, pad the rest, replay; returns views of the first n rows."""
@@ -119,10 +128,12 @@ class StageGraphs:
     are overwritten before any step reads them). A prefill graph attends `prefill_span` cache columns (the
     largest length bucket), so a row may start after a cached prefix as long as prefix + bucket fit in it."""
 
-    def __init__(self, runner, cfg):
+    def __init__(self, runner, cfg, lane: str | None = None):
+        """lane "first": the first-audio lane's own graphs, up to first_lane_max_batch rows, captured on a stream
+        of their own; None: the engine's (main lane's) graphs."""
         mode = cfg.graph_mode(runner.device.type)
         capture = mode == "cuda"
-        self.mode = mode
+        self.mode, self.lane = mode, lane
         if capture and not torch.backends.cudnn.benchmark:
             # Let cuDNN time its algorithms for each codec conv shape; the warm-up runs before each capture do the
             # search, so captured graphs replay the fastest algorithm.
@@ -131,6 +142,8 @@ class StageGraphs:
         slots = cfg.scheduler.max_slots
         # The per-step stages never batch more rows than their max_batch: no graph above it.
         largest = min(slots, max(cfg.scheduler.max_batch[s] for s in ("talker", "code_predictor", "codec")))
+        lane_rows = cfg.scheduler.first_lane_max_batch if lane == "first" else slots
+        largest = min(largest, lane_rows)
         self.buckets = tuple(b for b in DEFAULT_BUCKETS if b < largest) + (largest,)
         self.kv_max = kv_max = runner.kv.max_len
         self.kv_buckets = tuple(sorted({min(b, kv_max) for b in (256, 512, 1024, 2048, 4096)} | {kv_max}))
@@ -138,6 +151,7 @@ class StageGraphs:
         self.samples_per_frame = runner.codec.samples_per_frame
         # Each graph gets its own memory pool: graphs sharing one must replay in capture order, ours do not.
         pool = None
+        own = {"lane": lane, "capture_stream": torch.cuda.Stream(runner.device) if capture and lane else None}
         dev, scratch, groups = runner.device, runner.scratch, runner.rest.shape[1] + 1
 
         def slots_and(extra):
@@ -147,13 +161,13 @@ class StageGraphs:
             return torch.zeros(B, dtype=torch.int64, device=dev)
 
         self.cp = GraphBank("code_predictor", lambda key, slots, frame: runner.code_predictor_step(slots, frame),
-                            slots_and(lambda B, key: {"frame": i64(B)}), {"slots": scratch}, capture, pool)
+                            slots_and(lambda B, key: {"frame": i64(B)}), {"slots": scratch}, capture, pool, **own)
         self.tk = GraphBank(
             "talker", lambda key, slots, text, frame, allow_eos: runner.talker_step(slots, text, frame, allow_eos, key),
             slots_and(lambda B, key: {"text": i64(B), "frame": i64(B),
                                       "allow_eos": torch.zeros(B, dtype=torch.bool, device=dev)}),
-            {"slots": scratch}, capture, pool)
-        prefill_max = min(cfg.scheduler.max_batch["prefill"], slots)
+            {"slots": scratch}, capture, pool, **own)
+        prefill_max = min(cfg.scheduler.max_batch["prefill"], slots, lane_rows)
         self.prefill_buckets = tuple(b for b in DEFAULT_BUCKETS if b < prefill_max) + (prefill_max,)
         self.prefill_lengths = tuple(n for n in PREFILL_LENGTHS if n <= cfg.max_prompt_tokens)
         self.prefill_span = min(max(self.prefill_lengths, default=0), kv_max)
@@ -166,11 +180,12 @@ class StageGraphs:
                                       "codec": torch.full((B, key), NO_CODEC, dtype=torch.int64, device=dev),
                                       "start": i64(B), "length": torch.ones(B, dtype=torch.int64, device=dev),
                                       "allow_eos": torch.zeros(B, dtype=torch.bool, device=dev)}),
-            {"slots": scratch, "text": self.text_pad, "codec": NO_CODEC, "start": 0, "length": 1}, capture, pool)
+            {"slots": scratch, "text": self.text_pad, "codec": NO_CODEC, "start": 0, "length": 1}, capture, pool,
+            **own)
         self.cd = GraphBank(
             "codec", lambda key, slots, codes: runner.codec_step(slots, codes),
             slots_and(lambda B, key: {"codes": torch.zeros(B, key, groups, dtype=torch.int64, device=dev)}),
-            {"slots": scratch}, capture, pool)
+            {"slots": scratch}, capture, pool, **own)
 
     def prefill(self, slots: Tensor, text: Tensor, codec: Tensor, start: Tensor, length: Tensor, allow_eos: Tensor,
                 max_start: int):

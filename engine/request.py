@@ -61,6 +61,7 @@ class ContextState:
     failed: str | None = None
     last_reason: str = "completed"
     reports_onset: bool = False  # the consumer trims leading silence and reports each segment's audible onset
+    lane: str | None = None  # the lane that last ran a step on the slot (two lanes: "first" or "main")
 
 
 @dataclass

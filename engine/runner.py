@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor
 
 from engine.config import MAX_SLOTS, EngineConfig, EngineConfigError
 from engine.graphs import GraphCaptureError, StageGraphs
+from engine.kernels.lanes import on_lane
 from engine.model.checkpoint import LoadedModel
 from engine.model.codec_layers import fingerprint
 from engine.model.prompt import NO_CODEC
@@ -168,13 +170,58 @@ class Runner:
         self._prefix_sources = [*self.model.talker.model.parameters(),
                                 *self.model.talker.text_projection.parameters()]
         self._prefix_weights = fingerprint(self._prefix_sources)
-        self.graphs = StageGraphs(self, cfg) if cfg.graph_mode(self.device.type) != "off" else None
+        # Two lanes (SchedulerConfig.first_audio_lane): each runs on its own stream, the first-audio lane's at the
+        # higher priority (a hint: the device prefers its kernels as SMs free up, it never preempts), with its own
+        # graphs up to first_lane_max_batch rows (two graphs must not replay at once: they share their buffers).
+        self.lanes = cfg.scheduler.first_audio_lane
+        self.streams: dict[str, torch.cuda.Stream] | None = None
+        if self.lanes and self.device.type == "cuda":
+            self.streams = {"main": torch.cuda.Stream(dev, priority=0), "first": torch.cuda.Stream(dev, priority=-1)}
+        self._joined: set[str] = set()  # lanes whose stream has waited for the work done before (load, capture)
+        self._lane: str | None = None  # the lane of the step being launched
+        graphs_on = cfg.graph_mode(self.device.type) != "off"
+        self.graphs = StageGraphs(self, cfg) if graphs_on else None
+        self.first_graphs = StageGraphs(self, cfg, lane="first") if graphs_on and self.lanes else None
         self.graph_failure: str | None = None
         self.debug_sync = cfg.debug_sync
 
     # ------------------------------------------------------------------ launch / collect
-    @torch.inference_mode()
     def launch(self, plan: StagePlan) -> Pending:
+        with self._on_lane(plan):
+            return self._launch(plan)
+
+    @contextmanager
+    def _on_lane(self, plan: StagePlan):
+        """Launch on the plan's lane: its stream (after the other lane's queued work if a row ran there last), its
+        graphs, its kernel scratch."""
+        self._lane = plan.lane
+        try:
+            if self.streams is None or plan.lane is None:
+                with on_lane(plan.lane):
+                    yield
+                return
+            stream = self.streams[plan.lane]
+            if plan.lane not in self._joined:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                self._joined.add(plan.lane)
+            if plan.wait_lane is not None:
+                stream.wait_stream(self.streams[plan.wait_lane])
+            with torch.cuda.stream(stream), on_lane(plan.lane):
+                yield
+        finally:
+            self._lane = None
+
+    def ready(self, pending: Pending) -> bool:
+        """Has the device finished this step (collect would not wait)?"""
+        return pending.end_event is None or pending.end_event.query()
+
+    @property
+    def lane_graphs(self) -> StageGraphs | None:
+        """The graphs of the lane being launched."""
+        return self.first_graphs if self._lane == "first" and self.first_graphs is not None else self.graphs
+
+    @torch.inference_mode()
+    def _launch(self, plan: StagePlan) -> Pending:
         pending = Pending(plan, time.monotonic())
         if self.device.type == "cuda":
             # Launches do not wait for the step before them, so host time would count that step too: the
@@ -326,14 +373,15 @@ class Runner:
 
     def _use_graphs(self, rows: list[RowPlan]) -> bool:
         # Faults are injected between model calls, which a replayed graph cannot do: such batches run eagerly.
-        return self.graphs is not None and not any(r.cid in self.faults for r in rows)
+        return self.lane_graphs is not None and not any(r.cid in self.faults for r in rows)
 
     def _graph_or_eager(self, rows: list[RowPlan], graph_call, eager_call):
         if self._use_graphs(rows):
             try:
-                return graph_call()
+                return graph_call(self.lane_graphs)
             except GraphCaptureError as exc:
-                self.graphs, self.graph_failure = None, str(exc)
+                self.graphs = self.first_graphs = None
+                self.graph_failure = str(exc)
                 log.error("CUDA graph capture FAILED, serving eagerly from now on (slow): %s", exc)
         return eager_call()
 
@@ -357,7 +405,7 @@ class Runner:
         self.sampling.load(slots, floats, ints)
         kv_len = min(max(starts) + T, self.kv.max_len)
         hidden, logits, code0 = self._graph_or_eager(
-            rows, lambda: self.graphs.prefill(slots, text, codec, start, length, allow_eos, max(starts)),
+            rows, lambda g: g.prefill(slots, text, codec, start, length, allow_eos, max(starts)),
             lambda: self.prefill_step(slots, text, codec, start, length, allow_eos, kv_len,
                                       on_logits=lambda lg: self._inject(rows, [0] * len(rows), lg)))
         self._keep_prefixes(rows, starts)
@@ -441,7 +489,7 @@ class Runner:
 
     def _code_predictor(self, rows: list[RowPlan]) -> StepOutputs:
         slots, frame = self._upload_all(self._ints([r.slot for r in rows]), self._ints([r.frame for r in rows]))
-        (rest,) = self._graph_or_eager(rows, lambda: self.graphs.code_predictor(slots, frame),
+        (rest,) = self._graph_or_eager(rows, lambda g: g.code_predictor(slots, frame),
                                        lambda: self.code_predictor_step(slots, frame))
         self.rest[slots] = rest
         self.frames[slots, frame] = torch.cat([self.code0[slots, None], rest], dim=1)
@@ -454,7 +502,7 @@ class Runner:
             self._ints([r.frame + 1 for r in rows]), torch.tensor([r.eos_allowed for r in rows]))
         kv_len = max(self.host_position[r.slot] for r in rows) + 1
         hidden, logits, code0 = self._graph_or_eager(
-            rows, lambda: self.graphs.talker(slots, text, frame, allow_eos, kv_len),
+            rows, lambda g: g.talker(slots, text, frame, allow_eos, kv_len),
             lambda: self.talker_step(slots, text, frame, allow_eos, kv_len,
                                      on_logits=lambda lg: self._inject(rows, [r.frame + 1 for r in rows], lg)))
         self.hidden[slots], self.code0[slots] = hidden, code0
@@ -468,6 +516,6 @@ class Runner:
         slots, first = self._upload_all(self._ints([r.slot for r in rows]), self._ints([r.frame for r in rows]))
         index = first[:, None] + torch.arange(chunk, device=self.device)  # [B, chunk]
         codes = self.frames[slots[:, None], index]  # [B, chunk, 16]
-        (pcm,) = self._graph_or_eager(rows, lambda: self.graphs.codec(slots, codes),
+        (pcm,) = self._graph_or_eager(rows, lambda g: g.codec(slots, codes),
                                       lambda: self.codec_step(slots, codes))
         return StepOutputs(pcm=pcm.float(), codes=codes)

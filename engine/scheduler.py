@@ -272,7 +272,13 @@ class Scheduler:
             return empty - self.cfg.safety_lead_s <= now
         return empty - now < chain + nxt + self._in_flight_s
 
-    def plan(self, now: float) -> StagePlan | None:
+    def lane_of(self, r: Request, stage: Stage) -> str:
+        """Two lanes: a request's steps run on the first-audio lane while it is in the first-audio class, and every
+        prefill does (the prompt-prefix cache is then touched by one lane only); the rest on the main lane."""
+        return "first" if stage == Stage.PREFILL or self.in_first_audio_class(r) else "main"
+
+    def plan(self, now: float, lane: str | None = None) -> StagePlan | None:
+        """The next step; with `lane` ("first" or "main"), the next step of that lane only (lane_of)."""
         runnable: list[tuple[Request, Stage, int, tuple]] = []  # request, stage, codec chunk, rank
         heads = list(self._heads())
         newcomers = [] if self.cfg.policy == "edf" else [r for r in heads if self.in_first_audio_class(r)]
@@ -280,10 +286,10 @@ class Scheduler:
         for r in heads:
             rank = self._rank(r, now, newcomers, chain, len(heads))
             chunk = self.codec_chunk(r)
-            if chunk:
+            if chunk and (lane is None or self.lane_of(r, Stage.CODEC) == lane):
                 runnable.append((r, Stage.CODEC, chunk, rank))
             stage = self.generation_stage(r)
-            if stage is not None:
+            if stage is not None and (lane is None or self.lane_of(r, stage) == lane):
                 runnable.append((r, stage, 0, rank))
         if not runnable:
             return None
@@ -296,13 +302,23 @@ class Scheduler:
             stage, chunk = self._throughput_stage(runnable)
         members = [x for x in runnable if x[1] == stage and (stage != Stage.CODEC or x[2] == chunk)]
         members.sort(key=lambda x: x[3])
-        size = self._step_rows(stage, chunk, min(len(members), self.cfg.max_batch[stage.value]))
+        limit = self.cfg.max_batch[stage.value]
+        if lane == "first":
+            limit = min(limit, self.cfg.first_lane_max_batch)
+        size = self._step_rows(stage, chunk, min(len(members), limit))
         batch = [x[0] for x in members[:size]]
-        self._in_flight_s = self.costs.step_s(stage, len(batch), max(chunk, 1)) or 0.0
+        if lane != "first":  # a newcomer waits for the main lane's step only when there is one lane
+            self._in_flight_s = self.costs.step_s(stage, len(batch), max(chunk, 1)) or 0.0
         rows = [self._advance(r, stage, chunk, now) for r in batch]
         for r in batch:
             self._last_served[r.rid] = now
-        return StagePlan(stage, rows)
+        wait_lane = None
+        if lane is not None:
+            if any(r.context.lane not in (None, lane) for r in batch):
+                wait_lane = "main" if lane == "first" else "first"
+            for r in batch:
+                r.context.lane = lane
+        return StagePlan(stage, rows, lane, wait_lane)
 
     def _rank(self, r: Request, now: float, newcomers: list[Request], chain: float | None, streams: int) -> tuple:
         """(class, time): lower runs first. Without newcomers (or under edf) every urgent request shares one

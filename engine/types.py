@@ -63,6 +63,8 @@ class StagePlan:
 
     stage: Stage
     rows: list[RowPlan]
+    lane: str | None = None  # "first" (the first-audio lane) or "main"; None: the engine runs one lane
+    wait_lane: str | None = None  # the device first waits for the work queued on this lane (a row last ran there)
 
 
 # ---------------------------------------------------------------------------------------------- runner outputs
@@ -246,8 +248,14 @@ class Readiness:
     cuda_graphs: FastPath
     triton_kernels: FastPath  # the model's fused kernels (attention, norms, GEMMs, sampler) on the device
     random_weights: bool
+    # the first-audio lane (newcomers on a stream of their own); None: not reported (the tests' fake engines)
+    first_audio_lane: FastPath | None = None
 
     def to_json(self) -> dict:
         out = asdict(self)
         out["cuda_graphs"], out["triton_kernels"] = self.cuda_graphs.to_json(), self.triton_kernels.to_json()
+        if self.first_audio_lane is None:
+            del out["first_audio_lane"]
+        else:
+            out["first_audio_lane"] = self.first_audio_lane.to_json()
         return out

@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--debug-sync", action="store_true",
                    help="diagnostics (slow): check every step's indices on the host and wait for the GPU after it, "
                         "so a fault names its stage, rows and values")
+    g.add_argument("--first-audio-lane", choices=["on", "off"], default="on" if eng.first_audio_lane else "off",
+                   help="run newcomers' steps on a high-priority CUDA stream of their own beside the playing "
+                        "streams' steps, so first audio never queues behind a running step")
+    g.add_argument("--first-lane-max-batch", type=int, default=eng.first_lane_max_batch,
+                   help="rows a first-audio lane step holds at most (its graphs are captured up to this bucket)")
     g.add_argument("--safety-lead-s", type=float, default=eng.safety_lead_s)
     g.add_argument("--max-step-ms", type=float, default=eng.max_step_s * 1e3,
                    help="split a batch whose predicted step is longer (bounds a newcomer's wait); 0 = off")
@@ -149,8 +154,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         bench = RANDOM_FRAMES_PER_WORD if is_random(a.model) else 0
     sched = replace(SchedulerConfig(), max_slots=a.max_slots, bench_frames_per_word=bench,
                     admission_load=a.admission_load, admission_first_audio_s=a.admission_first_audio_ms / 1e3,
-                    safety_lead_s=a.safety_lead_s,
-                    max_step_s=a.max_step_ms / 1e3)
+                    safety_lead_s=a.safety_lead_s, max_step_s=a.max_step_ms / 1e3,
+                    first_audio_lane=a.first_audio_lane == "on", first_lane_max_batch=a.first_lane_max_batch)
     engine = EngineConfig(scheduler=sched, max_frames=a.max_frames, max_prompt_tokens=a.max_prompt_tokens,
                           cuda_graphs=a.cuda_graphs, debug_sync=a.debug_sync,
                           prefix_cache_entries=a.prefix_cache_entries, prefix_cache_mib=a.prefix_cache_mib)

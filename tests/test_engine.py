@@ -309,6 +309,42 @@ def test_graph_bucketing_matches_eager(tiny_model, ramp):
         assert np.abs(pcm_of(a) - pcm_of(b)).max() < 1e-5
 
 
+def test_the_first_audio_lane_changes_when_steps_run_never_what_they_compute(tiny_model):
+    """Two lanes (newcomers' steps on a stream of their own, with their own graphs) beside one: staggered contexts
+    get the same codes and audio. On a GPU (VOICELANE_TEST_DEVICE=cuda) the lanes' graphs replay concurrently."""
+    on_gpu = tiny_model.device.type == "cuda"
+
+    def run(lanes: bool):
+        engine = Engine(tiny_model, EngineConfig(
+            scheduler=SchedulerConfig(max_slots=8, admission_load=1e6, admission_first_audio_s=0,
+                                      first_audio_lane=lanes, first_lane_max_batch=2),
+            max_frames=40, max_prompt_tokens=100, cuda_graphs="on" if on_gpu else "emulate"))
+        engine.warmup()
+        engine.start()
+
+        async def one(i: int):
+            await asyncio.sleep(0.03 * i)
+            sampling = GREEDY.with_overrides(max_frames=12 + 2 * i) if i % 2 else SamplingParams(seed=i, max_frames=14)
+            return await speak(engine, TEXT[: 4 + i], sampling)
+
+        async def main():
+            return await asyncio.gather(*(one(i) for i in range(6)))
+
+        try:
+            return asyncio.run(main()), engine.readiness(), [lane.launched for lane in engine.core.lanes]
+        finally:
+            engine.stop()
+
+    one_lane, ready_one, _ = run(False)
+    two_lanes, ready_two, launched = run(True)
+    assert not ready_one.first_audio_lane.enabled and "off" in ready_one.first_audio_lane.reason
+    assert ready_two.first_audio_lane.enabled and ready_two.first_audio_lane.batch_buckets == [1, 2]
+    assert all(n > 0 for n in launched)  # both lanes ran steps
+    for (_, a), (_, b) in zip(one_lane, two_lanes, strict=True):
+        assert np.array_equal(codes_of(a), codes_of(b))
+        assert np.abs(pcm_of(a) - pcm_of(b)).max() < 1e-5
+
+
 def test_a_dead_engine_loop_ends_every_context(tiny_model):
     """If the loop itself dies (a device failure), no client waits forever and new contexts are refused."""
     engine = make_engine(tiny_model)

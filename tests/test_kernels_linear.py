@@ -36,7 +36,7 @@ def test_skinny_linear_matches_reference(config, rows, N, K, swiglu, dtype):
     assert got.shape == (rows, N) and got.dtype == dtype
     err = float((got.double() - want).abs().max() / want.abs().max())
     assert err < (1e-6 if dtype == torch.float32 else 2e-3), err
-    assert int(kl._TICKETS[("cpu", -(-N // config.block_n))].abs().sum()) == 0  # left ready for a replay
+    assert int(kl._TICKETS[("cpu", -(-N // config.block_n), None)].abs().sum()) == 0  # left ready for a replay
 
 
 def test_split_sums_are_deterministic_and_leading_dims_kept():
@@ -138,3 +138,19 @@ def test_shapes_of_the_1p7b_model():
     got = {name: (N, K, sw) for name, N, K, sw in shapes("1.7b")}
     assert got["talker.gate_up"] == (12288, 2048, False) and got["talker.down"] == (2048, 6144, True)
     assert got["cp.qkv"] == (4096, 1024, False) and got["cp.head"] == (2048, 1024, False)
+
+
+def test_each_lane_has_its_own_split_k_tickets():
+    """Two lanes' launches run at once on the GPU: the tickets that order a split-K reduction are per lane."""
+    from engine.kernels.lanes import on_lane
+
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(2, 256, generator=g), torch.randn(40, 256, generator=g)
+    config = kl.LinearConfig(16, 32, 8, True, 4, 2)
+    blocks = -(-40 // config.block_n)
+    with on_lane("first"):
+        first = kl.skinny_linear(x, w, config)
+    main = kl.skinny_linear(x, w, config)
+    assert torch.equal(first, main)
+    tickets = {key[2]: t for key, t in kl._TICKETS.items() if key[:2] == ("cpu", blocks)}
+    assert {"first", None} <= set(tickets) and tickets["first"].data_ptr() != tickets[None].data_ptr()

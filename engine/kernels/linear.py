@@ -35,6 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.kernels.gdc import L2_LINE_BYTES, prefetch_l2, wait_inputs
+from engine.kernels.lanes import current_lane
 from engine.kernels.norm import swiglu as swiglu_kernel
 from engine.kernels.norm import swiglu_reference
 from engine.kernels.pdl import launch_options
@@ -137,13 +138,14 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm
             tl.atomic_xchg(ticket_ptr + pid_n, 0)  # ready for the next launch (graph replays included)
 
 
-_TICKETS: dict[tuple[str, int], Tensor] = {}
+_TICKETS: dict[tuple[str, int, str | None], Tensor] = {}
 
 
 def _tickets(device: torch.device, blocks: int) -> Tensor:
-    """Zeroed int32 tickets, one per column block, shared by every launch on the device (launches on one stream
-    run one after another, and each leaves its tickets at zero). Made before capture: the warm-up run makes it."""
-    key = (str(device), blocks)
+    """Zeroed int32 tickets, one per column block, shared by every launch of one lane on the device (launches on
+    one stream run one after another, and each leaves its tickets at zero; two lanes run at once, so each has its
+    own). Made before capture: the warm-up run makes it."""
+    key = (str(device), blocks, current_lane())
     if key not in _TICKETS:
         _TICKETS[key] = torch.zeros(blocks, dtype=torch.int32, device=device)
     return _TICKETS[key]

@@ -99,6 +99,10 @@ class SimRunner:
         self.silent_frames = silent_frames  # context id -> leading silent frames of its speech
         self.audio = Audio(max_chunk)
         self.device_free_at = 0.0
+        # Two lanes (first_audio_lane): each lane a stream, run side by side; a step that overlaps the other
+        # lane's work takes lane_slowdown times its profile time (they share the SMs and the memory bandwidth).
+        self.lane_free_at: dict[str, float] = {}
+        self.lane_slowdown = 1.0
         self.busy_s = 0.0
         self.steps: list[tuple[Stage, int, int, float, float]] = []  # stage, rows, chunk, start, seconds
 
@@ -109,8 +113,15 @@ class SimRunner:
         if plan.stage == Stage.PREFILL:
             chunk = self._prefill_positions([r.prompt for r in plan.rows])
         seconds = self.profile.step_s(plan.stage, len(plan.rows), chunk)
-        start = max(self.clock.t, self.device_free_at)
-        self.device_free_at = start + seconds
+        if plan.lane is None:
+            start = max(self.clock.t, self.device_free_at)
+            self.device_free_at = start + seconds
+        else:
+            start = max(self.clock.t, self.lane_free_at.get(plan.lane, 0.0),
+                        self.lane_free_at.get(plan.wait_lane, 0.0) if plan.wait_lane else 0.0)
+            if any(end > start for lane, end in self.lane_free_at.items() if lane != plan.lane):
+                seconds *= self.lane_slowdown
+            self.lane_free_at[plan.lane] = start + seconds
         self.busy_s += seconds
         self.steps.append((plan.stage, len(plan.rows), chunk, start, seconds))
         return SimPending(plan, start, start + seconds, seconds)
@@ -121,6 +132,9 @@ class SimRunner:
         starts, _ = self.prefix_cache.find(prompts)
         self.prefix_cache.keep(prompts, starts, lambda i, p: (p.prefix_len, p.prefix_len * self.prefix_position_bytes))
         return graph_bucket(max(len(p) - start for p, start in zip(prompts, starts, strict=True)))
+
+    def ready(self, pending: SimPending) -> bool:
+        return self.clock.t >= pending.end
 
     def collect(self, pending: SimPending) -> StageResult:
         self.events.run_until(pending.end)  # the host waits; the server's calls go on meanwhile

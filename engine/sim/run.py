@@ -79,6 +79,7 @@ class Listener:
 @dataclass
 class SimOptions:
     host_step_s: float = 0.0003  # host time of one engine iteration (plan, launch, bookkeeping)
+    lane_slowdown: float = 1.0  # two lanes: a step overlapping the other lane's work takes this much longer
     word_interval_s: float = 0.010  # streamed mode: seconds between words (W2)
     ack_interval_s: float = 0.0  # playback acks every this many seconds once playing (0: none, as HTTP clients)
     frames_per_word: int = 5  # the benchmark's length mode
@@ -142,6 +143,7 @@ class Simulation:
         self.runner = SimRunner(profile, self.clock, self.events, o.host_step_s,
                                 lambda cid: self.by_cid[cid].arrival.silent_frames, max(cfg.chunk_ramp),
                                 self.prefix_cache, position_bytes)
+        self.runner.lane_slowdown = o.lane_slowdown
         self.core = EngineCore(self.scheduler, self.runner, self._deliver, Timeline(1), self.clock,
                                plan_lead_s=cfg.plan_lead_s, sleep=self._sleep)
         for listener in self.listeners:
@@ -217,7 +219,7 @@ class Simulation:
         stop = last_arrival + self.options.drain_s
         while self.clock.t < stop:
             self.events.run_until(self.clock.t)
-            if self.core.step() or self.core.in_flight is not None:
+            if self.core.step() or self.core.busy:
                 continue
             nxt = self.events.next_time()
             if nxt is None:

@@ -30,6 +30,8 @@ def scheduler_config(args) -> SchedulerConfig:
         overrides["plan_lead_s"] = args.plan_lead_ms / 1e3
     if args.policy is not None:
         overrides["policy"] = args.policy
+    if args.first_audio_lane:
+        overrides["first_audio_lane"] = True
     return replace(cfg, **overrides)
 
 
@@ -55,15 +57,20 @@ def main(argv: list[str] | None = None) -> dict:
                     "the configured ramp)")
     ap.add_argument("--plan-lead-ms", type=float, default=None, help="plan the next step this long before the "
                     "running one ends (0: at once, the device queue two deep; default: the configured one)")
+    ap.add_argument("--first-audio-lane", action="store_true", help="two lanes: newcomers on a stream of their own")
+    ap.add_argument("--lane-slowdown", type=float, default=1.0, help="two lanes: a step overlapping the other "
+                    "lane's work takes this much longer (1: no contention)")
     ap.add_argument("--out", default=None, help="write the summaries as JSON here")
     a = ap.parse_args(argv)
     profile = StageProfile.from_json(a.profile, a.graphs)
     cfg = scheduler_config(a)
     options = SimOptions(host_step_s=a.host_step_ms / 1e3, word_interval_s=a.word_interval_ms / 1e3,
-                         ack_interval_s=a.ack_interval_ms / 1e3, prefix_cache_entries=a.prefix_cache_entries)
+                         ack_interval_s=a.ack_interval_ms / 1e3, prefix_cache_entries=a.prefix_cache_entries,
+                         lane_slowdown=a.lane_slowdown)
     results = {}
-    print(f"simulated (profile {a.profile}, policy {cfg.policy}, plan lead {cfg.plan_lead_s * 1e3:g} ms, {a.mode}, "
-          f"{a.duration:g} s)")
+    lanes = f", first-audio lane (slowdown {a.lane_slowdown:g})" if cfg.first_audio_lane else ""
+    print(f"simulated (profile {a.profile}, policy {cfg.policy}, plan lead {cfg.plan_lead_s * 1e3:g} ms{lanes}, "
+          f"{a.mode}, {a.duration:g} s)")
     print(f"{'rps':>5} {'offered':>7} {'refused':>7} {'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7} {'underrun':>8} "
           f"{'busy':>5} {'wall s':>6}")
     for rps in a.rps:
