@@ -87,6 +87,23 @@ def stream(dec, codes, sizes, state=None, slots=None) -> torch.Tensor:
     return torch.cat(out, dim=-1)
 
 
+def stream_padded(dec, codes, steps, state, slots, done, gen) -> list[list[torch.Tensor]]:
+    """Decode rows r of codes [R, 16, T] (from frame done[r] on; done is updated) in the slots `slots`, all rows in
+    every step: per step, sizes (one per row) padded with random codes to the largest (valid = sizes). Returns each
+    row's waves of its real frames, one per step."""
+    out = [[] for _ in slots]
+    with torch.no_grad():
+        for sizes in steps:
+            batch = torch.randint(0, 2048, (len(sizes), 16, max(sizes)), generator=gen)  # padding: random codes
+            for r, n in enumerate(sizes):
+                batch[r, :, :n] = codes[r, :, done[r]:done[r] + n]
+            wave = dec.decode_stream(batch, state, slots, valid=torch.tensor(sizes))
+            for r, n in enumerate(sizes):
+                out[r].append(wave[r, : n * SPF])
+                done[r] += n
+    return out
+
+
 def ramp(total: int, steps=(1, 2, 4, 8), tail: int = 12) -> list[int]:
     sizes = []
     while sum(sizes) < total:
@@ -406,20 +423,9 @@ def test_stream_rows_with_different_chunk_sizes_in_one_batch(decoders, codes, wh
     its state advances by its own count (checked past the 72-frame window), whatever the padding holds."""
     dec = decoders[layout]
     state = dec.new_stream_state(3)
-    slots = torch.tensor([2, 0])
-    out = [[], []]
     done = [0, 0]
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for sizes in [(1, 4), (4, 1), (2, 2), (12, 5), (3, 12)] + [(12, 7), (5, 12)] * 6:
-            t = max(sizes)
-            batch = torch.randint(0, 2048, (2, 16, t), generator=g)  # padding: random codes
-            for r, n in enumerate(sizes):
-                batch[r, :, :n] = codes[r, :, done[r]:done[r] + n]
-            wave = dec.decode_stream(batch, state, slots, valid=torch.tensor(sizes))
-            for r, n in enumerate(sizes):
-                out[r].append(wave[r, : n * SPF])
-                done[r] += n
+    steps = [(1, 4), (4, 1), (2, 2), (12, 5), (3, 12)] + [(12, 7), (5, 12)] * 6
+    out = stream_padded(dec, codes, steps, state, torch.tensor([2, 0]), done, torch.Generator().manual_seed(3))
     assert state.pos.tolist() == [done[1], 0, done[0]] and min(done) > 72
     for r in range(2):
         assert maxdiff(torch.cat(out[r]), whole[r, : done[r] * SPF]) < STREAM_TOL
@@ -440,3 +446,56 @@ def test_attention_reads_dense_queries_keys_and_values(dec, codes, monkeypatch):
         dec.decode_stream(codes[:, :, :3], dec.new_stream_state(2), torch.arange(2))
     assert len(seen) == TINY.num_hidden_layers
     assert {s[:4] for s in seen} == {(True, True, True, True)} and len({s[4] for s in seen}) == 1
+
+
+# ------------------------------------------------------------------------------ the keys/values ring in place
+
+
+def test_stream_wraps_a_small_ring_many_times_with_rows_at_different_positions():
+    """A 5-frame window (a ring of 4 columns) wrapped 30 times and more: two rows 7 frames apart share every step,
+    padded to one chunk size (valid) with chunks shorter and longer than the window, and equal the whole decode."""
+    cfg = dataclasses.replace(TINY, sliding_window=5)
+    dec = randomize_codec_(CodecDecoder(cfg), seed=99).eval()
+    g = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, 2048, (2, 16, 140), generator=g)
+    with torch.no_grad():
+        whole = dec(codes)[:, 0]
+    state, done = dec.new_stream_state(3), [7, 0]
+    first = stream(dec, codes[:1, :, :7], [3, 4], state, torch.tensor([1]))[0]
+    out = stream_padded(dec, codes, [(1, 3), (6, 1), (2, 9), (4, 4), (1, 1), (7, 2)] * 6, state,
+                        torch.tensor([1, 2]), done, g)
+    out[0].insert(0, first)
+    assert state.pos.tolist() == [0, done[0], done[1]] and min(done) > 25 * 4
+    for r in range(2):
+        assert maxdiff(torch.cat(out[r]), whole[r, : done[r] * SPF]) < STREAM_TOL
+
+
+def test_step_writes_only_its_valid_frames_columns_of_the_ring(dec, codes):
+    """A padded step (t = 12) writes, per row, only the ring columns of its valid frames (every layer, keys and
+    values), never those its padding frames map to (they hold frames still inside the window), and no other slot."""
+    state = dec.new_stream_state(3)
+    R = TINY.sliding_window - 1
+    stream(dec, codes[:1, :, :100], [40, 60], state, torch.tensor([2]))  # wrapped once: every column in use
+    stream(dec, codes[1:, :, :30], [30], state, torch.tensor([0]))
+    before = state.flat.clone()
+    with torch.no_grad():
+        dec.decode_stream(torch.cat([codes[:1, :, 100:112], codes[1:, :, 30:42]]), state, torch.tensor([2, 0]),
+                          valid=torch.tensor([1, 3]))
+    changed = state.kv != state.layout.views(before)[0]  # [S, L, 2, Hkv, R, hd]
+    changed_cols = changed.permute(4, 0, 1, 2, 3, 5).reshape(R, 3, -1).any(-1)  # [R, slot]
+    assert changed_cols[:, 1].sum() == 0 and torch.equal(state.flat[1], before[1])
+    assert changed_cols[:, 2].nonzero().flatten().tolist() == [100 % R]
+    assert changed_cols[:, 0].nonzero().flatten().tolist() == [30, 31, 32]
+    assert changed[2, :, :, :, 100 % R].all() and changed[0, :, :, :, 30:33].all()
+    assert state.pos.tolist() == [33, 0, 101]
+
+
+def test_reset_of_one_slot_leaves_the_others_alone(dec, codes):
+    state = dec.new_stream_state(3)
+    stream(dec, codes[:, :, :20], [5, 15], state, torch.tensor([0, 1]))
+    stream(dec, codes[:1, :, :9], [9], state, torch.tensor([2]))
+    before = state.flat.clone()
+    state.reset_(torch.tensor([1]))
+    assert state.pos.tolist() == [20, 0, 9]
+    assert torch.equal(state.flat[0], before[0]) and torch.equal(state.flat[2], before[2])
+    assert not state.flat[1].any() and before[1].any()

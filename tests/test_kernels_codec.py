@@ -259,3 +259,75 @@ def test_rope_kv_triton_equals_torch_path(dtype, cos_rows):
     got = torch.cat([q_got, kv_got[:, 0, :, past:]], dim=1).float()
     assert torch.all((got - exact).abs() <= size * 2.0**-6 + 1e-6)
     assert torch.equal(kv_got[:, 1, :, past:], proj[..., 2 * n_qk:].view(B, t, Hkv, hd).transpose(1, 2))
+
+
+def _ring_case(dtype, positions, t, window=6, H=4, Hkv=2, hd=8, slots=(3, 0, 2)):
+    """A step of rows at `positions` (one per slot) over a ring of W-1 columns filled from each row's random
+    history (frame p at column p mod (W-1)); columns of negative positions hold random stale values. Returns the
+    step's inputs and, per row, the keys and values of every position it has (the history then its new frames)."""
+    gen = torch.Generator().manual_seed(sum(positions) + t)
+    R, S, B = window - 1, 4, len(positions)
+    ring = torch.randn(S, 2, Hkv, R, hd, generator=gen)  # stale everywhere until written below
+    history = [torch.randn(2, Hkv, p + t, hd, generator=gen) for p in positions]
+    for b, p in enumerate(positions):
+        for frame in range(max(0, p - R), p):
+            ring[slots[b], :, :, frame % R] = history[b][:, :, frame]
+    q = torch.randn(B, H, t, hd, generator=gen)
+    new_kv = torch.stack([h[:, :, -t:] for h in history])  # [B, 2, Hkv, t, hd]
+    inputs = [x.to(DEVICE, dtype) for x in (q, new_kv, ring)]
+    return inputs, torch.tensor(slots[:B], device=DEVICE), torch.tensor(positions, device=DEVICE), history
+
+
+def _ring_definition(q, history, positions, window, scale):
+    """Per row and query frame s: softmax attention over the row's frames pos+s-W+1 .. pos+s (those >= 0)."""
+    B, H, t, _ = q.shape
+    out = torch.empty(B, t, H, q.shape[-1], dtype=torch.float64)
+    for b, p in enumerate(positions):
+        k, v = history[b].double().repeat_interleave(H // history[b].shape[1], dim=1)  # [H, p + t, hd] each
+        for s in range(t):
+            lo = max(0, p + s - window + 1)
+            scores = (q[b, :, s, None].double().cpu() @ k[:, lo: p + s + 1].transpose(1, 2))[:, 0]  # [H, n]
+            w = torch.softmax(scores * scale, dim=-1)
+            out[b, s] = (w[:, :, None] * v[:, lo: p + s + 1]).sum(1)
+    return out
+
+
+@pytest.mark.parametrize("positions,t,window", [((0, 3, 1003), 1, 6), ((7, 0, 2), 4, 6), ((41, 5, 1), 9, 6),
+                                                ((10, 26, 0), 40, 6), ((0, 17, 300), 3, 40)],
+                         ids=["t1-wrapped", "t4", "t9-longer-than-window", "t40-several-blocks", "ring-of-2-blocks"])
+def test_ring_attention_equals_the_definition(positions, t, window):
+    """A streaming step's attention over the ring (W = 6: 5 columns; or 40: 39 columns, two key blocks of the
+    kernel) and its new frames, for rows at different positions in one batch (a fresh stream, one inside its first
+    window, one that has wrapped the ring many times), rows in a different order than their slots, GQA, t longer
+    than the window and past one block of queries and of new keys: the PyTorch path and the Triton kernel (the
+    interpreter on the CPU) against the definition, fp32; stale columns (before a stream's start) are never read."""
+    from engine import kernels
+    from engine.kernels.codec_transformer import ring_attention, ring_attention_torch
+
+    scale = 8**-0.5
+    (q, new_kv, ring), slots, pos, history = _ring_case(torch.float32, positions, t, window)
+    ring_before = ring.clone()
+    ref = _ring_definition(q, history, positions, window, scale)
+    got_torch = ring_attention_torch(q, new_kv, ring, slots, pos, window, scale)
+    with kernels.backend("triton"):
+        got_triton = ring_attention(q, new_kv, ring, slots, pos, window, scale)
+    assert got_torch.shape == got_triton.shape == (len(positions), t, 4, 8)
+    assert (got_torch.double().cpu() - ref).abs().max().item() < 1e-5
+    assert (got_triton.double().cpu() - ref).abs().max().item() < 1e-5
+    assert torch.equal(ring, ring_before)  # read only
+
+
+def test_ring_attention_triton_half_close_to_torch_path():
+    """16-bit keys, values and queries (bf16 on a GPU; fp16 in the interpreter, whose bf16 is not rounded like the
+    GPU's): the kernel (fp32 scores and softmax, probabilities rounded to the activation dtype before the value
+    product, as flash attention does) within that rounding of the fp32 PyTorch path."""
+    from engine import kernels
+    from engine.kernels.codec_transformer import ring_attention, ring_attention_torch
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    (q, new_kv, ring), slots, pos, _ = _ring_case(dtype, (9, 0, 130), 3)
+    ref = ring_attention_torch(q.float(), new_kv.float(), ring.float(), slots, pos, 6, 8**-0.5)
+    with kernels.backend("triton"):
+        got = ring_attention(q, new_kv, ring, slots, pos, 6, 8**-0.5)
+    assert got.dtype == dtype
+    assert (got.float() - ref).abs().max().item() < (0.03 if dtype == torch.bfloat16 else 0.005)

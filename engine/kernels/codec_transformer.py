@@ -6,6 +6,9 @@
 - `rope_kv`: RoPE of the stacked q/k projection (q*cos rounded, then + rotate_half(q)*sin rounded, as the PyTorch
   path's mul and addcmul), q written [B, H, t, hd] and the new keys and values written straight into the
   attention's key/value buffer after the P past frames: no cat, no separate copies.
+- `ring_attention`: a streaming step's attention, reading the past W-1 frames' keys and values in place from each
+  row's slot of the stream state's ring (frame p at column p mod (W-1)) and the step's own t frames from a small
+  buffer, masked from the row's position on the device: no gathered window, no mask tensor.
 
 Each has a PyTorch path with the same rounding steps (`*_torch`, also the CPU path) and runs its Triton kernel where
 engine.kernels.snake.use_triton says the codec's kernels are Triton (the same switch as the window kernel).
@@ -75,7 +78,64 @@ def _kernels():
             v = tl.load(base + 2 * n_qk + (head - H - HKV) * HD + d, mask=keep, other=0.0)
             tl.store(kv_ptr + b * kv_sb + kv_sj + (head - H - HKV) * kv_sh + (P + s) * kv_st + d, v, mask=keep)
 
-    return scaled_add_rms_norm_kernel, rope_kv_kernel
+    @triton.jit
+    def ring_attention_kernel(q_ptr, new_ptr, ring_ptr, slots_ptr, pos_ptr, out_ptr, t, R, W, GROUP, scale,
+                              q_sb, q_sh, q_st, n_sb, n_sj, n_sh, n_st, r_ss, r_sj, r_sh, r_sc, o_sb, o_st, o_sh,
+                              HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                              BLOCK_N: tl.constexpr, RING_BLOCKS: tl.constexpr, IEEE: tl.constexpr):
+        # One (row b, query head, block of BLOCK_T query frames) per program. Keys in blocks of BLOCK_N: the ring's
+        # W-1 columns (RING_BLOCKS blocks), then the step's t new frames, folded into one fp32 online softmax.
+        b = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        kvh = head // GROUP
+        s = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)  # query frame offsets
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HD
+        q = tl.load(q_ptr + b * q_sb + head * q_sh + s[:, None] * q_st + d[None, :],
+                    mask=(s < t)[:, None] & d_ok[None, :], other=0.0)
+        pos = tl.load(pos_ptr + b)
+        ring = ring_ptr + tl.load(slots_ptr + b) * r_ss + kvh * r_sh
+        new = new_ptr + b * n_sb + kvh * n_sh
+        m_i = tl.full([BLOCK_T], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_T], tl.float32)
+        acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+        # A while loop: triton 3.6's interpreter cannot take a kernel argument as a range() bound.
+        block = 0
+        while block < RING_BLOCKS + tl.cdiv(t, BLOCK_N):
+            in_ring = block < RING_BLOCKS
+            idx = tl.where(in_ring, block, block - RING_BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)
+            # Ring column c holds frame pos - R + age, age = (c - pos) mod R: query pos + s sees it inside the
+            # window (age >= s: distance <= R = W - 1) and from the stream's start on (age >= R - pos). New frame
+            # j: 0 <= s - j < W.
+            age = (idx + R - pos % R) % R
+            dist = s[:, None] - idx[None, :]
+            seen = tl.where(in_ring, (idx < R)[None, :] & (age[None, :] >= s[:, None]) & (age >= R - pos)[None, :],
+                            (idx < t)[None, :] & (dist >= 0) & (dist < W))
+            key = tl.where(in_ring, ring + idx * r_sc, new + idx * n_st)
+            load_ok = (tl.where(in_ring, idx < R, idx < t))[:, None] & d_ok[None, :]
+            k = tl.load(key[:, None] + d[None, :], mask=load_ok, other=0.0)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(seen, scores * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet (a fresh stream): p = 0
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(key[:, None] + tl.where(in_ring, r_sj, n_sj) + d[None, :], mask=load_ok, other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+            block += 1
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i = 0 only on rows past t, not stored
+        tl.store(out_ptr + b * o_sb + s[:, None] * o_st + head * o_sh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(s < t)[:, None] & d_ok[None, :])
+
+    return scaled_add_rms_norm_kernel, rope_kv_kernel, ring_attention_kernel
 
 
 def scaled_add_rms_norm_torch(x: Tensor, scale: Tensor | None, a: Tensor | None, weight: Tensor,
@@ -138,3 +198,56 @@ def rope_kv(proj: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, past: int, heads
         *q.stride()[:3], kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         HD=head_dim, BLOCK=1 << max(head_dim - 1, 0).bit_length())
     return q
+
+
+def ring_mask(pos: Tensor, t: int, window: int) -> Tensor:
+    """[B, 1, t, W-1+t] bool (True = attend) for a streaming step's queries at pos .. pos+t-1 (pos [B] int64) over
+    the ring's W-1 columns, then the step's t new frames. Ring column c holds frame pos - (W-1) + age with
+    age = (c - pos) mod (W-1): the query at pos+s sees it when age >= s (inside the window) and age >= W-1-pos
+    (not before the stream's start); it sees new frame j when 0 <= s - j < W."""
+    R = window - 1
+    s = torch.arange(t, device=pos.device)
+    age = (torch.arange(R, device=pos.device) - pos[:, None]).remainder(R)  # [B, R]
+    past = (age[:, None, :] >= s[None, :, None]) & (age >= R - pos[:, None])[:, None, :]  # [B, t, R]
+    dist = s[:, None] - s[None, :]
+    new = ((dist >= 0) & (dist < window)).expand(pos.shape[0], t, t)
+    return torch.cat([past, new], dim=2)[:, None]
+
+
+def ring_attention_torch(q: Tensor, new_kv: Tensor, ring: Tensor, slots: Tensor, pos: Tensor, window: int,
+                         scale: float, mask: Tensor | None = None) -> Tensor:
+    """q [B, H, t, hd]; new_kv [B, 2, Hkv, t, hd]: the step's post-RoPE keys and values; ring [S, 2, Hkv, W-1, hd]:
+    every slot's keys and values of its last W-1 frames, frame p at column p mod (W-1) (the state's ring, read
+    here, not written); slots, pos [B]; mask: ring_mask(pos, t, window) as an additive mask in q's dtype (made
+    here if None). Returns out [B, t, H, hd]. The rows' ring columns are gathered and put before the new frames,
+    each of keys and values dense for SDPA."""
+    if mask is None:
+        bool_mask = ring_mask(pos, q.shape[2], window)
+        mask = torch.zeros(bool_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~bool_mask, float("-inf"))
+    k, v = (torch.cat([ring[:, j].index_select(0, slots), new_kv[:, j]], dim=2) for j in (0, 1))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2)
+
+
+def ring_attention(q: Tensor, new_kv: Tensor, ring: Tensor, slots: Tensor, pos: Tensor, window: int,
+                   scale: float, mask: Tensor | None = None) -> Tensor:
+    """See ring_attention_torch; one kernel on the Triton path (which ignores `mask`: it masks from pos itself),
+    out then contiguous [B, t, H, hd]."""
+    if not use_triton(q.device):
+        return ring_attention_torch(q, new_kv, ring, slots, pos, window, scale, mask)
+    B, H, t, hd = q.shape
+    Hkv, R = new_kv.shape[2], window - 1
+    if new_kv.shape != (B, 2, Hkv, t, hd) or ring.shape[1:] != (2, Hkv, R, hd) or H % Hkv:
+        raise ValueError(f"ring_attention: q {tuple(q.shape)}, new_kv {tuple(new_kv.shape)} and ring "
+                         f"{tuple(ring.shape)} for a window of {window}")
+    if q.stride(-1) != 1 or new_kv.stride(-1) != 1 or ring.stride(-1) != 1:
+        raise ValueError("ring_attention: q, new_kv and ring need a unit stride along the head dimension")
+    out = q.new_empty(B, t, H, hd)
+    block_t = 16  # tl.dot needs 16 rows; a step's t is 1..12 in the engine
+    block_n = 32  # keys per block: the real codec's ring of 71 columns in 3 blocks, t <= 32 new frames in 1
+    _kernels()[2][(B, H, -(-t // block_t))](
+        q, new_kv, ring, slots, pos, out, t, R, window, H // Hkv, scale, *q.stride()[:3], *new_kv.stride()[:4],
+        *ring.stride()[:4], *out.stride()[:3], HD=hd, BLOCK_D=max(16, 1 << max(hd - 1, 0).bit_length()),
+        BLOCK_T=block_t, BLOCK_N=block_n, RING_BLOCKS=-(-R // block_n),
+        IEEE=q.dtype == torch.float32)
+    return out

@@ -9,10 +9,11 @@ Data flow for codes [B, Q=16, T] (docs/model.md 1.4):
   -> causal conv k=7 -> clamp [-1, 1] -> [B, 1, 1920 T]
 
 Every layer is causal, so a stream can be decoded a few frames at a time with a small state per stream
-(`CodecStreamState`): the post-RoPE keys/values of the last W-1 frames for each transformer layer, the frame
-position, and the input tail of every causal (transposed) convolution. `decode_stream` then gives the same samples
-as `forward` on the whole utterance (to float rounding) for any chunking, at any length. (The official package's
-`chunked_decode`, 300-frame chunks with 25 frames of context, is not exact past 300 frames.)
+(`CodecStreamState`): the post-RoPE keys/values of the last W-1 frames for each transformer layer (a ring, read
+and written in place), the frame position, and the input tail of every causal (transposed) convolution.
+`decode_stream` then gives the same samples as `forward` on the whole utterance (to float rounding) for any
+chunking, at any length. (The official package's `chunked_decode`, 300-frame chunks with 25 frames of context, is
+not exact past 300 frames.)
 
 Positions: RoPE uses the absolute frame position, as the official whole decode does (its rotary embedding has no
 limit at max_position_embeddings = 8000; attention only sees relative distances <= 71, so the absolute value
@@ -97,7 +98,7 @@ class CodecConfig:
 class StateLayout:
     """Where each piece of a slot's streaming state lives in its row of `CodecStreamState.flat`."""
 
-    kv_shape: tuple[int, ...]  # (L, 2, Hkv, W-1, hd)
+    kv_shape: tuple[int, ...]  # (L, 2, Hkv, W-1, hd): the ring, frame p at column p mod (W-1)
     tail_shapes: tuple[tuple[int, int], ...]  # (C_i, H_i) per conv tail, in module order
     channels_last: bool = False  # tails stored [H_i, C_i] (the activations' layout), else [C_i, H_i]
 
@@ -109,25 +110,34 @@ class StateLayout:
     def width(self) -> int:
         return sum(self.sizes)
 
+    @property
+    def kv_width(self) -> int:
+        """Where the tails start in a row: the ring comes first."""
+        return self.sizes[0]
+
     def views(self, rows: Tensor) -> tuple[Tensor, list[Tensor]]:
         """rows [B, width] -> (kv [B, L, 2, Hkv, W-1, hd], tails [[B, C_i, H_i]]): views sharing rows' storage."""
+        return rows[:, : self.kv_width].view(rows.shape[0], *self.kv_shape), self.tail_views(rows[:, self.kv_width:])
+
+    def tail_views(self, rows: Tensor) -> list[Tensor]:
+        """rows [B, width - kv_width] (the tails' part of state rows) -> tails [[B, C_i, H_i]], views."""
         B = rows.shape[0]
-        parts = rows.split(self.sizes, dim=1)
+        parts = rows.split(self.sizes[1:], dim=1)
         if self.channels_last:
-            tails = [p.view(B, h, c).transpose(1, 2) for p, (c, h) in zip(parts[1:], self.tail_shapes, strict=True)]
-        else:
-            tails = [p.view(B, c, h) for p, (c, h) in zip(parts[1:], self.tail_shapes, strict=True)]
-        return parts[0].view(B, *self.kv_shape), tails
+            return [p.view(B, h, c).transpose(1, 2) for p, (c, h) in zip(parts, self.tail_shapes, strict=True)]
+        return [p.view(B, c, h) for p, (c, h) in zip(parts, self.tail_shapes, strict=True)]
 
 
 @dataclass
 class CodecStreamState:
     """Streaming state of `num_slots` streams, slot-major (dim 0 = slot), all on one device.
 
-    Each slot's state is one contiguous row of `flat`, so a step moves it with one gather and one scatter. A slot
-    at position p (frames decoded so far) holds the post-RoPE keys/values of frames p-W+1 .. p-1 per layer, oldest
-    first (entries at negative positions are zero and masked out), then the input tail of every causal conv.
-    Conv tails start as zeros, which is exactly the left zero padding of the whole-utterance decode."""
+    Each slot's state is one contiguous row of `flat`. It starts with a ring of the post-RoPE keys/values of every
+    transformer layer, frame q at column q mod (W-1): at position p (frames decoded so far) it holds frames
+    p-W+1 .. p-1 (columns of negative positions hold zeros or stale frames of an earlier stream and are masked
+    out). A step reads the ring in place and writes only its new frames' columns. Then comes the input tail of
+    every causal conv, gathered and scattered whole each step (small). Conv tails start as zeros, which is exactly
+    the left zero padding of the whole-utterance decode."""
 
     pos: Tensor  # [S] int64: frames already decoded = absolute position of the slot's next frame
     flat: Tensor  # [S, layout.width] activation dtype
@@ -138,7 +148,7 @@ class CodecStreamState:
         return self.pos.shape[0]
 
     @property
-    def kv(self) -> Tensor:  # [S, L, 2, Hkv, W-1, hd] view
+    def kv(self) -> Tensor:  # [S, L, 2, Hkv, W-1, hd] view: the ring, frame q at column q mod (W-1)
         return self.layout.views(self.flat)[0]
 
     @property
@@ -221,16 +231,16 @@ class CodecDecoder(nn.Module):
                 m.prepare_inference()
 
     @torch.no_grad()  # inference only: the Triton kernels and the in-place state updates have no backward
-    def _run(self, codes: Tensor, io: TailIO | None, pos: Tensor | None, kv: Tensor | None,
-             kv_out: Tensor | None, valid: Tensor | None = None) -> Tensor:
-        """codes [B, Q, t] -> wave [B, 1, t*spf]; in streaming mode the new window of keys and values is written to
-        kv_out and the new conv tails to io.tails_out."""
+    def _run(self, codes: Tensor, io: TailIO | None, pos: Tensor | None, ring: Tensor | None,
+             slots: Tensor | None, valid: Tensor | None = None) -> Tensor:
+        """codes [B, Q, t] -> wave [B, 1, t*spf]; in streaming mode the rows' new keys and values are written into
+        their slots of the ring [S, L, 2, Hkv, W-1, hd] and the new conv tails to io.tails_out."""
         if codes.shape[1] != self.config.num_quantizers:
             raise ValueError(f"expected {self.config.num_quantizers} codebooks, got {codes.shape[1]}")
         self._ensure_prepared()
         x = self.quantizer.decode(codes)  # [B, codebook_dim, t]
         x = self.pre_conv(x, io)  # [B, latent, t]
-        x = self.pre_transformer(x.transpose(1, 2), pos, kv, kv_out, valid)  # [B, t, latent]
+        x = self.pre_transformer(x.transpose(1, 2), pos, ring, slots, valid)  # [B, t, latent]
         x = x.transpose(1, 2)  # [B, latent, t]
         for stage in self.upsample:
             x = stage(x, io)  # [B, latent, t * prod(upsampling_ratios)]
@@ -263,7 +273,9 @@ class CodecDecoder(nn.Module):
                       valid: Tensor | None = None) -> Tensor:
         """Decode t new frames for each of B streams: codes LongTensor [B, Q, t] (values in [0, codebook_size):
         not checked here, that would need a host sync), slots LongTensor [B] (distinct, on the state's device;
-        rows may be at different positions). Reads and updates those slots of `state` in place and returns wave
+        rows may be at different positions). Reads and updates those slots of `state` in place (the keys/values
+        ring column by column, only the new frames' columns written; the conv tails gathered and scattered whole)
+        and returns wave
         [B, t * samples_per_frame]. Static shapes per (B, t), no host syncs, so a call can be captured in a CUDA
         graph per (B, t) with static codes/slots buffers. Any t >= 1 works (also t > 72).
 
@@ -275,13 +287,13 @@ class CodecDecoder(nn.Module):
             raise ValueError(f"stream state laid out for another codec layout than {self.layout!r}: make it with "
                              "new_stream_state after set_layout")
         t = codes.shape[-1]
-        rows = state.flat.index_select(0, slots)  # [B, width]: one gather for the whole state
-        new_rows = torch.empty_like(rows)  # every element is written: the new keys/values and every new tail
-        kv, tails = state.layout.views(rows)
-        kv_out, tails_out = state.layout.views(new_rows)
+        tail_part = state.flat[:, state.layout.kv_width:]  # [S, tail width] view
+        rows = tail_part.index_select(0, slots)  # [B, tail width]: one gather for every conv tail
+        new_rows = torch.empty_like(rows)  # every element is written: every new tail
+        io = TailIO(state.layout.tail_views(rows), state.layout.tail_views(new_rows), valid, t)
         pos = state.pos.index_select(0, slots)  # [B]
-        wave = self._run(codes, TailIO(tails, tails_out, valid, t), pos, kv, kv_out, valid)
-        state.flat.index_copy_(0, slots, new_rows)  # one scatter
+        wave = self._run(codes, io, pos, state.kv, slots, valid)  # reads and writes the ring in place
+        tail_part.index_copy_(0, slots, new_rows)  # one scatter
         state.pos.index_copy_(0, slots, pos + (t if valid is None else valid))
         return wave[:, 0]
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.kernels.codec_transformer import rope_kv, scaled_add_rms_norm
+from engine.kernels.codec_transformer import ring_attention, ring_mask, rope_kv, scaled_add_rms_norm
 from engine.kernels.snake import conv_window, snake, use_triton
 
 LAYOUTS = ("contiguous", "channels_last")
@@ -423,9 +423,20 @@ def _rotate_half_rows(w: Tensor, heads: int) -> Tensor:
     return torch.cat([-w[:, half:], w[:, :half]], dim=1).reshape(-1, *w.shape[2:])
 
 
+class RingRead(NamedTuple):
+    """Where a streaming step's attention finds each row's keys and values of its past W-1 frames: this layer's
+    ring in the stream state, read in place (see engine.kernels.codec_transformer.ring_attention)."""
+
+    ring: Tensor  # [S, 2, Hkv, W-1, hd]: frame p of slot s at [s, :, :, p mod (W-1)]
+    slots: Tensor  # [B] int64: each row's slot
+    pos: Tensor  # [B] int64: each row's position (its first new frame)
+    window: int  # W
+
+
 class Attention(Prepared):
     """Self-attention with RoPE. At inference one GEMM computes q, k, their rotate_half images and v (weights
-    stacked by prepare_inference), RoPE is one multiply and one addcmul, and attention is one SDPA call."""
+    stacked by prepare_inference), RoPE is one multiply and one addcmul, and attention is one SDPA call (whole
+    mode) or one ring_attention call over the stream state's ring and the step's frames (streaming)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool):
         super().__init__()
@@ -449,17 +460,22 @@ class Attention(Prepared):
         self.qkv_weight = stack(lambda m: m.weight.detach())
         self.qkv_bias = stack(lambda m: m.bias.detach()) if self.q_proj.bias is not None else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, kv: Tensor, past: int) -> Tensor:
-        """x [B, t, D]; cos/sin [B|1, t, hd] (activation dtype); mask [B|1, 1, t, P+t] bool (True = attend);
-        kv [B, 2, Hkv, P+t, hd]: the post-RoPE keys and values of the P = `past` frames before x on entry; x's are
-        written after them (one kernel with RoPE, no cat). Returns out [B, t, D]."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, kv: Tensor,
+                past: RingRead | None = None) -> Tensor:
+        """x [B, t, D]; cos/sin [B|1, t, hd] (activation dtype); kv [B, 2, Hkv, t, hd]: x's post-RoPE keys and
+        values are written here (one kernel with RoPE). Whole mode (past None): attention over kv alone, mask
+        [1, 1, t, t] additive. Streaming: attention over the rows' past W-1 frames in `past`'s ring, then kv;
+        mask [B, 1, t, W-1+t] additive (ring_mask), None on the Triton path. Returns out [B, t, D]."""
         B, t, _ = x.shape
         H, Hkv, hd = self.heads, self.kv_heads, self.head_dim
         proj = F.linear(x, self.qkv_weight, self.qkv_bias)  # [B, t, 2 * (H + Hkv) * hd + Hkv * hd]
-        q = rope_kv(proj, cos, sin, kv, past, H, Hkv, hd)  # [B, H, t, hd]
-        out = F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=mask, scale=self.scaling,
-                                             enable_gqa=H != Hkv)
-        return self.o_proj(out.transpose(1, 2).reshape(B, t, H * hd))
+        q = rope_kv(proj, cos, sin, kv, 0, H, Hkv, hd)  # [B, H, t, hd]
+        if past is None:
+            out = F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=mask, scale=self.scaling,
+                                                 enable_gqa=H != Hkv).transpose(1, 2)
+        else:
+            out = ring_attention(q, kv, past.ring, past.slots, past.pos, past.window, self.scaling, mask)
+        return self.o_proj(out.reshape(B, t, H * hd))  # out [B, t, H, hd]
 
 
 class MLP(Prepared):
@@ -541,7 +557,6 @@ class SlidingTransformer(nn.Module):
         self.rotary_emb = RopeFreqs(cfg.head_dim, cfg.rope_theta)
         self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
         self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
-        self._window_masks: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
         self._mask_values: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
 
     def _additive(self, mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -553,59 +568,59 @@ class SlidingTransformer(nn.Module):
                                       torch.full((), float("-inf"), dtype=dtype, device=mask.device))
         return torch.where(mask, *self._mask_values[key])
 
-    def _stream_mask(self, pos: Tensor, t: int) -> Tensor:
-        """[B, 1, t, W-1+t] bool for queries at pos .. pos+t-1 over keys at pos-W+1 .. pos+t-1. The window part
-        depends on t only and is made once per (t, device); only `key position >= 0` is per call."""
-        key = (t, pos.device)
-        if key not in self._window_masks:
-            offs = torch.arange(t, device=pos.device)  # query offsets
-            rel = torch.cat([torch.arange(1 - self.window, 0, device=pos.device), offs])  # key offsets [W-1+t]
-            dist = offs[:, None] - rel[None, :]  # [t, W-1+t]
-            self._window_masks[key] = ((dist >= 0) & (dist < self.window), rel)
-        window, rel = self._window_masks[key]
-        return (window & (pos[:, None, None] + rel >= 0))[:, None]
-
-    def forward(self, x: Tensor, pos: Tensor | None = None, kv: Tensor | None = None,
-                kv_out: Tensor | None = None, valid: Tensor | None = None) -> Tensor:
-        """x [B, t, latent] -> y [B, t, latent]. Whole mode: pos and kv None, frames are at positions 0..t-1.
-        Streaming: pos [B] int64 = position of x's first frame per row; kv [B, L, 2, Hkv, W-1, hd] holds the keys
-        and values of positions pos-W+1 .. pos-1 (entries at negative positions are masked out); those of
-        pos+n-W+1 .. pos+n-1 are written to kv_out (same shape; default: kv itself, in place), n = t, or valid[b]
-        ([B] int64, 1 <= n <= t) for rows whose frames past n are padding."""
-        if kv_out is None:
-            kv_out = kv
+    def forward(self, x: Tensor, pos: Tensor | None = None, ring: Tensor | None = None,
+                slots: Tensor | None = None, valid: Tensor | None = None) -> Tensor:
+        """x [B, t, latent] -> y [B, t, latent]. Whole mode: pos, ring and slots None, frames at positions 0..t-1.
+        Streaming: pos [B] int64 = position of x's first frame per row; ring [S, L, 2, Hkv, W-1, hd]: the stream
+        state's keys and values, slot s's frame p at [s, :, :, :, p mod (W-1)], holding (at least) the rows' frames
+        pos-W+1 .. pos-1 (columns of negative positions are masked out, whatever they hold); slots [B] int64: the
+        rows' slots. The step reads the ring in place and then writes each row's last min(n, W-1) new frames into
+        it, n = t, or valid[b] ([B] int64, 1 <= n <= t) for rows whose frames past n are padding (never written:
+        the ring columns they would map to may still hold frames inside the window)."""
         t = x.shape[1]
+        h = self.input_proj(x)  # [B, t, D]
         if pos is None:
             qpos = torch.arange(t, device=x.device)[None]  # [1, t]
             dist = qpos[0, :, None] - qpos[0, None, :]
-            mask = ((dist >= 0) & (dist < self.window))[None, None]  # [1, 1, t, t]
+            mask = self._additive(((dist >= 0) & (dist < self.window))[None, None], h.dtype)  # [1, 1, t, t]
         else:
             qpos = pos[:, None] + torch.arange(t, device=x.device)  # [B, t]
-            mask = self._stream_mask(pos, t)
-        h = self.input_proj(x)  # [B, t, D]
-        mask = self._additive(mask, h.dtype)
+            # The Triton kernel masks from pos itself; the PyTorch path gets one additive mask for all layers.
+            mask = None if use_triton(x.device) else self._additive(ring_mask(pos, t, self.window), h.dtype)
         cos, sin = self.rotary_emb(qpos, h.dtype)
-        past = 0 if kv is None else self.window - 1
         first = self.layers[0]
-        # Keys and values of every layer, [L, 2, B, Hkv, past + t, hd] (so each layer's keys and values are dense
-        # tensors for SDPA): the past frames (copied in once), then each layer's new ones (written by RoPE).
-        kv_all = h.new_empty(len(self.layers), 2, h.shape[0], first.self_attn.kv_heads, past + t,
-                             first.self_attn.head_dim)
-        as_rows = (2, 0, 1, 3, 4, 5)  # kv_all.permute(as_rows): [B, L, 2, Hkv, past + t, hd], the state's order
-        if kv is not None:
-            kv_all.permute(as_rows)[..., :past, :].copy_(kv)
+        # The step's keys and values of every layer, [L, 2, B, Hkv, t, hd] (so each layer's keys and values are
+        # dense tensors), written by RoPE. Streaming reads the past frames from the ring, not from here.
+        kv_new = h.new_empty(len(self.layers), 2, h.shape[0], first.self_attn.kv_heads, t, first.self_attn.head_dim)
         norms = [m for layer in self.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
         scales = [m.scale for layer in self.layers for m in (layer.self_attn_layer_scale, layer.mlp_layer_scale)]
         res, normed = scaled_add_rms_norm(h, None, None, norms[0].weight, norms[0].eps)
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn(normed, cos, sin, mask, kv_all[i].transpose(0, 1), past)
+            past = None if pos is None else RingRead(ring[:, i], slots, pos, self.window)
+            a = layer.self_attn(normed, cos, sin, mask, kv_new[i].transpose(0, 1), past)
             res, normed = scaled_add_rms_norm(res, scales[2 * i], a, norms[2 * i + 1].weight, norms[2 * i + 1].eps)
             after = norms[2 * i + 2] if 2 * i + 2 < len(norms) else self.norm
             res, normed = scaled_add_rms_norm(res, scales[2 * i + 1], layer.mlp(normed), after.weight, after.eps)
-        if kv is not None and valid is None:
-            kv_out.copy_(kv_all.permute(as_rows)[..., t:, :])  # keep the last W-1 frames
-        elif kv is not None:  # the W-1 frames before each row's end
-            index = valid.view(1, 1, -1, 1, 1, 1) + torch.arange(past, device=valid.device).view(1, 1, 1, 1, -1, 1)
-            kept = kv_all.gather(4, index.expand(*kv_all.shape[:4], past, kv_all.shape[5]))
-            kv_out.copy_(kept.permute(as_rows))
+        if pos is not None:  # every layer has read its ring: now the new frames may replace the oldest ones
+            self._write_ring(ring, kv_new, slots, pos, valid)
         return self.output_proj(normed)
+
+    def _write_ring(self, ring: Tensor, kv_new: Tensor, slots: Tensor, pos: Tensor, valid: Tensor | None) -> None:
+        """Store each row's last m = min(n, W-1) new frames (n = t or valid[b]) of kv_new [L, 2, B, Hkv, t, hd] in
+        ring [S, L, 2, Hkv, W-1, hd] at their columns (pos + frame) mod (W-1): one index_put over every layer, m
+        columns per row (one frame per row per layer at t = 1). Frames n-m .. n-1 are consecutive, so their
+        columns differ; a row with n < m writes its frame n-1 again in place of the m-n missing ones (same
+        column, same value: a well-defined duplicate), so no padding frame and no other column is touched."""
+        L, _, B, Hkv, t, hd = kv_new.shape
+        R = self.window - 1
+        m = min(t, R)
+        k = torch.arange(m, device=pos.device)
+        if valid is None:
+            frames = (t - m + k).expand(B, m)
+            kept = kv_new[..., t - m:, :]  # [L, 2, B, Hkv, m, hd]
+        else:
+            frames = valid[:, None] - m + k  # [B, m]
+            frames = torch.where(frames >= 0, frames, valid[:, None] - 1)
+            kept = kv_new.gather(4, frames.view(1, 1, B, 1, m, 1).expand(L, 2, B, Hkv, m, hd))
+        cols = (pos[:, None] + frames).remainder(R)  # [B, m]
+        ring.permute(0, 4, 1, 2, 3, 5)[slots[:, None], cols] = kept.permute(2, 4, 0, 1, 3, 5)  # [B, m, L, 2, Hkv, hd]
