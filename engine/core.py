@@ -57,7 +57,7 @@ class EngineCore:
         if launched is not None and self.plan_lead_s:
             # The device starts it now: the step before has just been collected (or none was in flight).
             rows = plan.rows
-            predicted = self.scheduler.costs.step_s(plan.stage, len(rows), max(rows[0].chunk, 1))
+            predicted = self.scheduler.costs.step_s(plan.stage, len(rows), max(max(r.chunk for r in rows), 1))
             if predicted is not None:
                 self.in_flight_end = self.clock() + predicted
         return plan is not None
