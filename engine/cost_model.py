@@ -1,7 +1,8 @@
 """Step-time model for admission: per stage, time = fixed + per_row * work, fitted online. No torch.
 
 Work is the batch size, except for the codec, whose cost grows with frames decoded: there it is rows x frames
-per row, so steps of every chunk size of the ramp fit one line."""
+per row, so steps of every chunk size of the ramp fit one line. A codec step whose rows decode different chunks
+runs padded to the largest, and is priced (and observed) at that size."""
 
 from __future__ import annotations
 

@@ -121,12 +121,14 @@ class GraphBank:
 class StageGraphs:
     """The runner's prefill, Code Predictor loop, Talker decode step and streaming codec step as graphs per bucket.
 
-    Talker graphs are also keyed by a bucket of attention length (keys attended); codec graphs by chunk size
-    (a final chunk shorter than a ramp size is padded with frames whose audio is cut off: its stream ends there,
-    so the state they leave behind is never read); prefill graphs by a bucket of the positions they run (a prompt
-    after its cached prefix; padded positions are masked by each row's length, and the cache columns they fill
-    are overwritten before any step reads them). A prefill graph attends `prefill_span` cache columns (the
-    largest length bucket), so a row may start after a cached prefix as long as prefix + bucket fit in it."""
+    Talker graphs are also keyed by a bucket of attention length (keys attended); codec graphs by chunk size, and
+    they take each row's real frames (`valid`): a step whose rows decode different chunks, or a final chunk
+    shorter than a ramp size, is padded to a ramp size with frames whose audio is cut off and which never reach
+    the stream's state (padded rows decode one frame into the scratch slot); prefill graphs by a bucket of the
+    positions they run (a prompt after its cached prefix; padded positions are masked by each row's length, and
+    the cache columns they fill are overwritten before any step reads them). A prefill graph attends
+    `prefill_span` cache columns (the largest length bucket), so a row may start after a cached prefix as long as
+    prefix + bucket fit in it."""
 
     def __init__(self, runner, cfg, lane: str | None = None):
         """lane "first": the first-audio lane's own graphs, up to first_lane_max_batch rows, captured on a stream
@@ -183,9 +185,10 @@ class StageGraphs:
             {"slots": scratch, "text": self.text_pad, "codec": NO_CODEC, "start": 0, "length": 1}, capture, pool,
             **own)
         self.cd = GraphBank(
-            "codec", lambda key, slots, codes: runner.codec_step(slots, codes),
-            slots_and(lambda B, key: {"codes": torch.zeros(B, key, groups, dtype=torch.int64, device=dev)}),
-            {"slots": scratch}, capture, pool, **own)
+            "codec", lambda key, slots, codes, valid: runner.codec_step(slots, codes, valid),
+            slots_and(lambda B, key: {"codes": torch.zeros(B, key, groups, dtype=torch.int64, device=dev),
+                                      "valid": torch.ones(B, dtype=torch.int64, device=dev)}),
+            {"slots": scratch, "valid": 1}, capture, pool, **own)
 
     def prefill(self, slots: Tensor, text: Tensor, codec: Tensor, start: Tensor, length: Tensor, allow_eos: Tensor,
                 max_start: int):
@@ -212,14 +215,15 @@ class StageGraphs:
         return self.tk.run_split(self.buckets, key, {"slots": slots, "text": text, "frame": frame,
                                                      "allow_eos": allow_eos})
 
-    def codec(self, slots: Tensor, codes: Tensor) -> tuple[Tensor, ...]:
+    def codec(self, slots: Tensor, codes: Tensor, valid: Tensor) -> tuple[Tensor, ...]:
+        """codes [B, t, 16], valid [B]: each row's real frames (<= t); the rows' audio, t frames each."""
         t = codes.shape[1]
         key = bucket_for(t, self.chunks)
         if key < t:
             raise ValueError(f"codec chunk of {t} frames is above the largest ramp size {key}")
         if key > t:
             codes = torch.cat([codes, codes.new_zeros(codes.shape[0], key - t, codes.shape[2])], dim=1)
-        (pcm,) = self.cd.run_split(self.buckets, key, {"slots": slots, "codes": codes})
+        (pcm,) = self.cd.run_split(self.buckets, key, {"slots": slots, "codes": codes, "valid": valid})
         return (pcm[:, : t * self.samples_per_frame],)
 
     def capture_all(self) -> tuple[int, float]:

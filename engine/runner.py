@@ -290,9 +290,14 @@ class Runner:
         if "eos" in merged:
             result.eos = [bool(x) if x is not None else False for x in merged["eos"]]
         if "pcm" in merged:
-            result.pcm = merged["pcm"]
-            result.codes = merged["codes"]
+            result.pcm, result.codes = self._own_frames(plan.rows, merged["pcm"], merged["codes"])
         return result
+
+    def _own_frames(self, rows: list[RowPlan], pcm: list, codes: list) -> tuple[list, list]:
+        """Each codec row's audio and codes of its own chunk (a step of mixed chunks is padded to its largest)."""
+        spf = self.codec.samples_per_frame
+        return ([None if p is None else p[: r.chunk * spf] for p, r in zip(pcm, rows, strict=True)],
+                [None if c is None else c[: r.chunk] for c, r in zip(codes, rows, strict=True)])
 
     # ------------------------------------------------------------------ diagnostics
     def check_inputs(self, stage: str, rows: list[RowPlan]) -> None:
@@ -484,8 +489,9 @@ class Runner:
             on_logits(logits)
         return hidden, logits, self.sample_code0(slots, logits, frame, allow_eos)
 
-    def codec_step(self, slots: Tensor, codes: Tensor) -> tuple[Tensor]:
-        return (self.codec.decode_stream(codes.transpose(1, 2), self.codec_state, slots),)
+    def codec_step(self, slots: Tensor, codes: Tensor, valid: Tensor | None = None) -> tuple[Tensor]:
+        """codes [B, t, 16]; valid [B] (None: t each): frames of each row that are real, the rest padding."""
+        return (self.codec.decode_stream(codes.transpose(1, 2), self.codec_state, slots, valid=valid),)
 
     def _code_predictor(self, rows: list[RowPlan]) -> StepOutputs:
         slots, frame = self._upload_all(self._ints([r.slot for r in rows]), self._ints([r.frame for r in rows]))
@@ -512,10 +518,16 @@ class Runner:
         return StepOutputs(eos=code0 == self.model.eos_id, bad=~torch.isfinite(logits).all(dim=-1))
 
     def _codec(self, rows: list[RowPlan]) -> StepOutputs:
-        chunk = rows[0].chunk
-        slots, first = self._upload_all(self._ints([r.slot for r in rows]), self._ints([r.frame for r in rows]))
-        index = first[:, None] + torch.arange(chunk, device=self.device)  # [B, chunk]
+        """Rows of different chunk sizes run padded to the largest, each decoding its own (collect cuts the
+        padding off): a shorter row repeats its last frame, which the codec decodes into audio nobody keeps."""
+        chunks = [r.chunk for r in rows]
+        chunk = max(chunks)
+        slots, first, valid = self._upload_all(self._ints([r.slot for r in rows]), self._ints([r.frame for r in rows]),
+                                               self._ints(chunks))
+        offsets = torch.arange(chunk, device=self.device)
+        mixed = min(chunks) < chunk
+        index = first[:, None] + (torch.minimum(offsets, valid[:, None] - 1) if mixed else offsets)  # [B, chunk]
         codes = self.frames[slots[:, None], index]  # [B, chunk, 16]
-        (pcm,) = self._graph_or_eager(rows, lambda g: g.codec(slots, codes),
-                                      lambda: self.codec_step(slots, codes))
+        (pcm,) = self._graph_or_eager(rows, lambda g: g.codec(slots, codes, valid),
+                                      lambda: self.codec_step(slots, codes, valid if mixed else None))
         return StepOutputs(pcm=pcm.float(), codes=codes)

@@ -8,8 +8,10 @@ Plain Python, no torch, clock passed in. The policy (docs/engine.md, Policy):
      within the safety lead (client acks, else 1x from the first send). Policy "edf" (the one before) puts
      both on one deadline axis: a newcomer's deadline is its arrival.
   2. Anchor and fill: the most urgent runnable request picks the stage; the batch is filled with other requests
-     waiting there (by class, then deadline) up to the stage's limit.
-  3. Nothing urgent: run the stage with the most waiting work (throughput mode), building slack.
+     waiting there (by class, then deadline) up to the stage's limit. A codec step is padded to the anchor's
+     chunk: requests whose own chunk is no larger join it (each decodes its own frames), larger ones wait.
+  3. Nothing urgent: run the stage with the most waiting work (throughput mode), building slack; a codec step
+     there is padded to the largest waiting chunk, so it holds every codec-runnable request.
   4. Admission refuses what the cost model predicts cannot be served without hurting playing streams, and a
      newcomer whose own predicted first audio is too late.
 """
@@ -300,23 +302,25 @@ class Scheduler:
             stage, chunk = anchor[1], anchor[2]
         else:
             stage, chunk = self._throughput_stage(runnable)
-        members = [x for x in runnable if x[1] == stage and (stage != Stage.CODEC or x[2] == chunk)]
+        # A codec step is padded to `chunk` frames: every row whose own chunk fits rides along (decoding its own).
+        members = [x for x in runnable if x[1] == stage and (stage != Stage.CODEC or x[2] <= chunk)]
         members.sort(key=lambda x: x[3])
         limit = self.cfg.max_batch[stage.value]
         if lane == "first":
             limit = min(limit, self.cfg.first_lane_max_batch)
         size = self._step_rows(stage, chunk, min(len(members), limit))
-        batch = [x[0] for x in members[:size]]
+        batch = members[:size]
+        padded = max(x[2] for x in batch)  # the anchor's chunk (0 outside the codec)
         if lane != "first":  # a newcomer waits for the main lane's step only when there is one lane
-            self._in_flight_s = self.costs.step_s(stage, len(batch), max(chunk, 1)) or 0.0
-        rows = [self._advance(r, stage, chunk, now) for r in batch]
-        for r in batch:
+            self._in_flight_s = self.costs.step_s(stage, len(batch), max(padded, 1)) or 0.0
+        rows = [self._advance(r, stage, own, now) for r, _, own, _ in batch]
+        for r, *_ in batch:
             self._last_served[r.rid] = now
         wait_lane = None
         if lane is not None:
-            if any(r.context.lane not in (None, lane) for r in batch):
+            if any(r.context.lane not in (None, lane) for r, *_ in batch):
                 wait_lane = "main" if lane == "first" else "first"
-            for r in batch:
+            for r, *_ in batch:
                 r.context.lane = lane
         return StagePlan(stage, rows, lane, wait_lane)
 
@@ -355,10 +359,13 @@ class Scheduler:
         return lo
 
     def _throughput_stage(self, runnable) -> tuple[Stage, int]:
-        groups: dict[tuple[Stage, int], int] = {}
+        """The stage with the most runnable rows (a codec step padded to the largest waiting chunk holds every
+        codec row)."""
+        groups: dict[Stage, list[int]] = {}
         for _, stage, chunk, _ in runnable:
-            groups[(stage, chunk)] = groups.get((stage, chunk), 0) + 1
-        return max(groups, key=lambda k: (groups[k], -STAGE_ORDER.index(k[0]), k[1]))
+            groups.setdefault(stage, []).append(chunk)
+        stage = max(groups, key=lambda k: (len(groups[k]), -STAGE_ORDER.index(k)))
+        return stage, max(groups[stage])
 
     def _eos_allowed(self, r: Request, code0_index: int) -> bool:
         return code0_index >= r.sampling.min_frames and not self.cfg.bench_frames_per_word
@@ -405,7 +412,7 @@ class Scheduler:
     # ------------------------------------------------------------------ results
     def update(self, result: StageResult, now: float) -> list[EngineEvent]:
         chunks = [len(c) for c in result.codes or () if c is not None]  # codec: frames per row of this step
-        frames = chunks[0] if chunks else 1
+        frames = max(chunks, default=1)  # a step with rows of several chunk sizes costs its largest (padded)
         self.costs.observe(result.stage, len(result.rids), result.elapsed_s, frames)
         for i, rid in enumerate(result.rids):
             r = self.requests.get(rid)

@@ -59,7 +59,8 @@ class RowPlan:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One engine step: one stage over a batch of rows (all CODEC rows decode the same number of frames)."""
+    """One engine step: one stage over a batch of rows. CODEC rows may decode different numbers of frames (each
+    its RowPlan.chunk): the step runs padded to the largest."""
 
     stage: Stage
     rows: list[RowPlan]
@@ -75,8 +76,8 @@ class StepOutputs:
 
     eos: Tensor | None = None  # PREFILL / TALKER: bool [B], the sampled code 0 is EOS
     bad: Tensor | None = None  # PREFILL / TALKER: bool [B], the logits held a non-finite value
-    pcm: Tensor | None = None  # CODEC: float32 [B, chunk * 1920]
-    codes: Tensor | None = None  # CODEC: int64 [B, chunk, 16], the codes the audio was decoded from
+    pcm: Tensor | None = None  # CODEC: float32 [B, chunk * 1920], chunk = the step's largest (collect cuts rows)
+    codes: Tensor | None = None  # CODEC: int64 [B, chunk, 16], the codes the audio was decoded from (same)
 
 
 # ---------------------------------------------------------------------------------------------- step results
@@ -90,7 +91,7 @@ class StageResult:
     eos: list[bool] | None = None  # PREFILL / TALKER: the sampled code 0 was EOS
     failed: list[str | None] | None = None  # per row: why it failed (NaN logits, exception), else None
     pcm: list[np.ndarray | None] | None = None  # CODEC: per row float32 [chunk * 1920] (None: the row failed)
-    codes: list[np.ndarray | None] | None = None  # CODEC: per row int64 [chunk, 16]
+    codes: list[np.ndarray | None] | None = None  # CODEC: per row int64 [chunk, 16], chunk = the row's own
 
 
 # ---------------------------------------------------------------------------------------------- events

@@ -431,6 +431,23 @@ def test_stream_rows_with_different_chunk_sizes_in_one_batch(decoders, codes, wh
         assert maxdiff(torch.cat(out[r]), whole[r, : done[r] * SPF]) < STREAM_TOL
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stream_rows_all_valid_equal_the_call_without_valid(decoders, codes, layout):
+    """valid = t in every row is the uniform call, bit for bit (audio and state): a codec graph that always takes
+    `valid` serves uniform steps exactly."""
+    dec = decoders[layout]
+    states = [dec.new_stream_state(3), dec.new_stream_state(3)]
+    slots, done = torch.tensor([2, 0]), 0
+    with torch.no_grad():
+        for t in (1, 4, 12, 12, 12, 12, 12, 12, 3):  # past the 72-frame window
+            batch = codes[:2, :, done:done + t]
+            plain = dec.decode_stream(batch, states[0], slots)
+            full = dec.decode_stream(batch, states[1], slots, valid=torch.full((2,), t))
+            assert torch.equal(plain, full)
+            done += t
+    assert torch.equal(states[0].pos, states[1].pos) and torch.equal(states[0].flat, states[1].flat)
+
+
 def test_attention_reads_dense_queries_keys_and_values(dec, codes, monkeypatch):
     """Each layer's keys and values (past frames then new ones) reach SDPA as dense tensors (no copy inside it),
     queries with a unit stride along the head dimension, with one additive mask for all layers."""

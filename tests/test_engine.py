@@ -444,3 +444,46 @@ def test_a_step_is_timed_alone_not_with_what_ran_before_its_collect(tiny_model):
     result = runner.collect(pending)
     bound = launch_s if runner.device.type == "cpu" else 0.5  # GPU: the step's own device time, from events
     assert 0 < result.elapsed_s <= bound and result.failed == [None]
+
+
+@pytest.mark.parametrize("mode", ["off", "emulate"])
+def test_a_codec_step_of_mixed_chunks_gives_each_row_its_own_audio(tiny_model, mode):
+    """Rows of different chunk sizes in one codec step (padded to the largest; emulated graphs: to a ramp size too,
+    with a scratch row padding the batch) each get their own chunk's codes and exactly the audio the same steps
+    give that row alone (to float rounding: batches of other sizes), which is its frames' whole decode."""
+    from engine.runner import Runner
+    from engine.types import RowPlan, Stage, StagePlan
+
+    def runner():
+        return Runner(tiny_model, EngineConfig(scheduler=SchedulerConfig(max_slots=4, chunk_ramp=(1, 2, 4, 12)),
+                                               max_frames=48, max_prompt_tokens=64, cuda_graphs=mode))
+
+    slots = [0, 2, 3]
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, tiny_model.codec.config.codebook_size, (3, 48, 16), generator=g)
+    # chunks per step and row (0: the row sits the step out); 3 and 5 are final chunks off the ramp
+    schedule = [(1, 1, 0), (2, 1, 1), (4, 12, 1), (12, 2, 4), (1, 4, 12), (12, 12, 2), (0, 12, 12), (5, 3, 12)]
+
+    def play(rows_together: bool):
+        r = runner()
+        r.frames[slots, :48] = codes.to(r.device)
+        done, pcm = [0, 0, 0], [[], [], []]
+        for chunks in schedule:
+            plans = [RowPlan(i, i, slots[i], done[i], chunk=c) for i, c in enumerate(chunks) if c]
+            for plan in [plans] if rows_together else [[p] for p in plans]:
+                result = r.collect(r.launch(StagePlan(Stage.CODEC, plan)))
+                assert result.failed == [None] * len(plan)
+                for p, audio, frames in zip(plan, result.pcm, result.codes, strict=True):
+                    assert len(audio) == p.chunk * 1920
+                    assert np.array_equal(frames, codes[p.rid, p.frame:p.frame + p.chunk].numpy())
+                    pcm[p.rid].append(audio)
+                    done[p.rid] += p.chunk
+        return [np.concatenate(x) for x in pcm], done
+
+    together, done = play(True)
+    alone, _ = play(False)
+    for i in range(3):
+        assert np.abs(together[i] - alone[i]).max() < 1e-5
+        with torch.inference_mode():
+            whole = tiny_model.codec(codes[i, :done[i]].T[None].to(tiny_model.device)).flatten().cpu().numpy()
+        assert np.abs(together[i] - whole).max() < 1e-5

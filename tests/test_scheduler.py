@@ -283,7 +283,9 @@ def test_scheduler_teaches_the_cost_model_each_codec_steps_chunk():
     codes = [None, np.zeros((8, 16), np.int64)]  # a failed row has no codes
     sched.update(StageResult(Stage.CODEC, [], 0.01, pcm=[None, np.zeros(8 * 1920)], codes=codes), 0.0)
     sched.update(StageResult(Stage.TALKER, [], 0.01), 0.0)
-    assert seen == [(Stage.CODEC, 0, 8), (Stage.TALKER, 0, 1)]
+    mixed = [np.zeros((n, 16), np.int64) for n in (1, 12, 4)]  # a step of mixed chunks runs padded to its largest
+    sched.update(StageResult(Stage.CODEC, [], 0.01, pcm=[np.zeros(len(c) * 1920) for c in mixed], codes=mixed), 0.0)
+    assert seen == [(Stage.CODEC, 0, 8), (Stage.TALKER, 0, 1), (Stage.CODEC, 0, 12)]
 
 
 def test_a_step_predicted_too_long_is_split_so_newcomers_wait_less():
@@ -302,7 +304,7 @@ def test_a_step_predicted_too_long_is_split_so_newcomers_wait_less():
         sched.costs.observe = lambda *a, **k: None
         core.run_until_idle()
         assert all(len(audio(emitted, c)) > 0 for c in cids)
-        return [(len(p.rows), p.rows[0].chunk) for p in runner.plans if p.stage == Stage.CODEC]
+        return [(len(p.rows), max(r.chunk for r in p.rows)) for p in runner.plans if p.stage == Stage.CODEC]
 
     capped = codec_batches(0.021)
     assert all(codec_heavy(Stage.CODEC, n, c) <= 0.021 or n == 1 for n, c in capped)
@@ -428,3 +430,89 @@ def test_first_audio_times_ride_on_each_segments_first_chunk_only_in_phase_order
         assert t.handed is None and t.received is None  # the engine's hand-off to the event loop stamps those
     first = {(e.cid, e.segment): e.first_audio for e in emitted if isinstance(e, AudioChunk) and e.first_audio}
     assert first[(a, 1)].prefill_planned > first[(a, 0)].collected  # segment 1 waited for segment 0
+
+
+# ---------------------------------------------------------------------- codec steps of mixed chunk sizes (issue 13)
+def ramping_streams(policy):
+    """Streams arriving 8 steps apart while the earlier ones ramp up their chunks; codec steps cost 10 ms per frame
+    of their padded size (a CPU's codec). Returns each codec plan with the chunk every request could decode just
+    before it was planned."""
+    cfg = SchedulerConfig(max_slots=16, chunk_ramp=(1, 2, 4, 12), policy=policy, admission_load=1e6,
+                          admission_first_audio_s=0)
+    sched, core, runner, clock, emitted = make(cfg)
+    steps, plan, launch = [], sched.plan, runner.launch
+
+    def spy(now):
+        ready = {r.rid: sched.codec_chunk(r) for r in sched._heads() if sched.codec_chunk(r)}
+        p = plan(now)
+        if p is not None and p.stage == Stage.CODEC:
+            steps.append((p, ready))
+        return p
+
+    def slow_codec(p):
+        if p.stage == Stage.CODEC:
+            clock.t += 0.010 * max(r.chunk for r in p.rows)
+        return launch(p)
+
+    sched.plan, runner.launch = spy, slow_codec
+    cids = []
+    for _ in range(8):
+        cids.append(open_ctx(sched, clock, words=10, max_frames=40, min_frames=40))
+        for _ in range(8):
+            core.step()
+    core.run_until_idle()
+    for cid in cids:  # every frame once, in order, with its own audio
+        assert [int(f) for e in audio(emitted, cid) for f in e.codes[:, 0]] == list(range(40))
+        assert all(len(e.pcm) == len(e.codes) * SPF for e in audio(emitted, cid))
+    return steps
+
+
+@pytest.mark.parametrize("policy", ["first_audio", "edf"])
+def test_a_codec_step_takes_every_chunk_up_to_the_anchors_and_each_row_decodes_its_own(policy):
+    """A codec step runs padded to its anchor's chunk: every request whose own chunk fits rides along, larger
+    chunks wait. Ramping streams make such mixed steps; a newcomer anchoring a step gets its first chunk at once,
+    in a 1-frame step, while others' larger chunks wait."""
+    steps = ramping_streams(policy)
+    mixed = first_alone = 0
+    for p, ready in steps:
+        padded = max(r.chunk for r in p.rows)
+        assert all(r.chunk == ready[r.rid] for r in p.rows)  # each row its own chunk
+        assert {r.rid for r in p.rows} == {rid for rid, chunk in ready.items() if chunk <= padded}
+        mixed += len({r.chunk for r in p.rows}) > 1
+        first_alone += padded == 1 and max(ready.values()) > 1 and any(r.frame == 0 for r in p.rows)
+    assert mixed > 0
+    if policy == "first_audio":
+        assert first_alone > 0
+
+
+def ramping_stream_and_newcomer():
+    """A stream whose next chunk (4 frames, ramp 1, 4) and a newcomer whose first chunk (1 frame) are both ready."""
+    cfg = SchedulerConfig(max_slots=16, chunk_ramp=(1, 4), admission_first_audio_s=0)
+    sched, _, runner, clock, _ = make(cfg)
+    a = open_ctx(sched, clock, words=40, layout="whole", max_frames=200, min_frames=200)
+    ra = sched.segments[a][0]
+    serve(sched, runner, clock, lambda em: ra.chunks == 1 and ra.frames_made - ra.frames_decoded == 3
+          and sched.generation_stage(ra) == Stage.CODE_PREDICTOR)
+    b = open_ctx(sched, clock, words=3, layout="whole", max_frames=20)
+    rb = sched.segments[b][0]
+    serve(sched, runner, clock, lambda em: sched.codec_chunk(rb) == 1)  # its frame 0 rode in its CP step
+    assert sched.codec_chunk(ra) == 4
+    return sched, runner, clock, a, b
+
+
+def test_a_newcomer_anchoring_a_codec_step_gets_its_first_frame_alone():
+    sched, runner, clock, a, b = ramping_stream_and_newcomer()
+    plan = sched.plan(clock())
+    assert plan.stage == Stage.CODEC and [(r.cid, r.frame, r.chunk) for r in plan.rows] == [(b, 0, 1)]
+
+
+def test_a_newcomers_first_frame_rides_in_the_codec_step_of_a_stream_about_to_run_dry():
+    """The playing stream anchors a 4-frame codec step; the newcomer's 1-frame chunk joins it (padded), instead of
+    waiting for a step of its own, and each row's audio is its own chunk."""
+    sched, runner, clock, a, b = ramping_stream_and_newcomer()
+    clock.t = sched.contexts[a].clock.buffer_empty_at() - 0.010
+    plan = sched.plan(clock())
+    assert plan.stage == Stage.CODEC
+    assert [(r.cid, r.frame, r.chunk) for r in plan.rows] == [(a, 1, 4), (b, 0, 1)]
+    events = sched.update(runner.collect(runner.launch(plan)), clock())
+    assert [(e.cid, e.first_frame, len(e.codes), len(e.pcm)) for e in events] == [(a, 1, 4, 4 * SPF), (b, 0, 1, SPF)]

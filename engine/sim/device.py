@@ -109,7 +109,7 @@ class SimRunner:
     def launch(self, plan: StagePlan) -> SimPending:
         self.clock.t += self.host_step_s
         self.events.run_until(self.clock.t)
-        chunk = plan.rows[0].chunk if plan.stage == Stage.CODEC else 0
+        chunk = max(r.chunk for r in plan.rows) if plan.stage == Stage.CODEC else 0  # padded to the largest
         if plan.stage == Stage.PREFILL:
             chunk = self._prefill_positions([r.prompt for r in plan.rows])
         seconds = self.profile.step_s(plan.stage, len(plan.rows), chunk)
