@@ -106,10 +106,12 @@ def compile_codec(dtype: str) -> None:
                  {"valid_ptr": "*i64"})
     from engine.kernels import codec_transformer
 
-    norm, rope = codec_transformer._kernels()
+    norm, rope, ring = codec_transformer._kernels()
     for add in (True, False):
         _compile(norm, dtype, {"HAS_ADD": add, "BLOCK": 512})
     _compile(rope, dtype, {"HD": 64, "BLOCK": 64})
+    _compile(ring, dtype, {"HD": 64, "BLOCK_D": 64, "BLOCK_T": 16, "BLOCK_N": 32, "RING_BLOCKS": 3,
+                           "IEEE": dtype == "fp32"}, {"slots_ptr": "*i64", "pos_ptr": "*i64"})
 
 
 def _in_fresh_python(what: str, dtype: str) -> None:
