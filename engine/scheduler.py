@@ -311,7 +311,7 @@ class Scheduler:
         size = self._step_rows(stage, chunk, min(len(members), limit))
         batch = members[:size]
         padded = max(x[2] for x in batch)  # the anchor's chunk (0 outside the codec)
-        if lane != "first":  # a newcomer waits for the main lane's step only when there is one lane
+        if lane != "first":  # the step a newcomer's prediction counts as in flight: the main (or only) lane's
             self._in_flight_s = self.costs.step_s(stage, len(batch), max(padded, 1)) or 0.0
         rows = [self._advance(r, stage, own, now) for r, _, own, _ in batch]
         for r, *_ in batch:
