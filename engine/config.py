@@ -50,6 +50,10 @@ class SchedulerConfig:
     # rows (its own CUDA graphs are captured up to that bucket). Off: one lane, one stream.
     first_audio_lane: bool = False
     first_lane_max_batch: int = 4
+    # A newcomer's prefill, its frame 0's Code Predictor and its first 1-frame codec chunk as one step
+    # (Stage.FIRST_AUDIO): launched back to back, collected once, so no host round trip (collect, plan, launch)
+    # sits between them (issue 13 item 3). Its batches hold at most max_batch["prefill"] rows. Off: three steps.
+    first_audio_chain: bool = False
 
     @property
     def slots(self) -> int:

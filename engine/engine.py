@@ -161,6 +161,9 @@ class Engine:
                  self.config.scheduler.max_slots, self.runner.kv_bytes / 2**20,
                  f"{self.config.prefix_cache_entries} entries / {self.config.prefix_cache_mib:g} MiB"
                  if self.runner.prefix_cache.enabled else "off", loaded.device, loaded.dtype)
+        if self.config.scheduler.first_audio_chain:
+            log.info("first-audio chain on: a segment starts with one step (prefill, frame 0, its 1-frame chunk) "
+                     "while that step is predicted within max_step_s (%g ms)", self.config.scheduler.max_step_s * 1e3)
 
     def _model_info(self) -> ModelInfo:
         cfg = self.loaded.config

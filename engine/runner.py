@@ -419,6 +419,15 @@ class Runner:
             self.host_position[r.slot] = n
         return StepOutputs(eos=code0 == self.model.eos_id, bad=~torch.isfinite(logits).all(dim=-1))
 
+    def _first_audio(self, rows: list[RowPlan]) -> StepOutputs:
+        """PREFILL, then CODE_PREDICTOR for frame 0, then a 1-frame CODEC chunk, queued back to back: each reads
+        what the one before wrote into the slots' device state, so nothing waits for the host between them. A row
+        whose code 0 is EOS decodes a frame nobody keeps (the scheduler drops it)."""
+        sampled = self._prefill(rows)
+        self._code_predictor(rows)
+        audio = self._codec(rows)
+        return StepOutputs(eos=sampled.eos, bad=sampled.bad, pcm=audio.pcm, codes=audio.codes)
+
     # ------------------------------------------------------------------ prompt-prefix cache
     def _load_prefixes(self, rows: list[RowPlan]) -> list[int]:
         """Copy the cached keys and values of each row's prompt prefix into its cache row (one copy per distinct

@@ -14,6 +14,8 @@ Plain Python, no torch, clock passed in. The policy (docs/engine.md, Policy):
      there is padded to the largest waiting chunk, so it holds every codec-runnable request.
   4. Admission refuses what the cost model predicts cannot be served without hurting playing streams, and a
      newcomer whose own predicted first audio is too late.
+  5. With first_audio_chain, a segment's prefill is a FIRST_AUDIO step: the prefill, frame 0's codes and its
+     1-frame audio in one launch, counted at plan time as all three steps (their results come back together).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from engine.types import (
 SAMPLE_RATE = 24000
 STARVATION_S = 1.0  # a runnable request not served for this long is treated as urgent
 # Throughput mode breaks ties towards finishing work already in flight.
-STAGE_ORDER = (Stage.CODEC, Stage.CODE_PREDICTOR, Stage.TALKER, Stage.PREFILL)
+STAGE_ORDER = (Stage.CODEC, Stage.CODE_PREDICTOR, Stage.TALKER, Stage.PREFILL, Stage.FIRST_AUDIO)
 # Rank classes (Scheduler._rank): a playing stream about to run dry (or starving), a newcomer, another urgent
 # playing stream, nothing urgent.
 URGENT, NEWCOMER, PLAYING_URGENT, NOT_URGENT = 0, 1, 2, 3
@@ -59,7 +61,7 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig, model_cfg: ModelConfig, timeline=None):
         cfg.validate()
         self.cfg, self.model_cfg = cfg, model_cfg
-        self.costs = CostModel(cfg.max_batch)
+        self.costs = CostModel({**cfg.max_batch, Stage.FIRST_AUDIO.value: cfg.max_batch[Stage.PREFILL.value]})
         self.timeline = timeline
         self.contexts: dict[int, ContextState] = {}
         self.segments: dict[int, deque[Request]] = {}  # per context: head is the active segment
@@ -205,7 +207,9 @@ class Scheduler:
             return None
         if not r.prefilled:
             ready = bool(r.text_ids) and (r.text_complete or r.layout == "dual")
-            return Stage.PREFILL if ready else None
+            if not ready:
+                return None
+            return self.generation_start()
         if r.frames_made < r.code0_made:
             return Stage.CODE_PREDICTOR
         s = r.frames_made - 1
@@ -239,11 +243,29 @@ class Scheduler:
             return True
         return r.context.reports_onset and r.frames_emitted * FRAME_S < self.cfg.first_audio_max_s
 
-    def _newcomer_chain_s(self, n: int) -> float | None:
-        """Device time from a newcomer's prefill to its first audio, n newcomers batched (None: not measured)."""
+    def chaining(self) -> bool:
+        """Does a segment start with one FIRST_AUDIO step? With first_audio_chain, while that step (one row) is
+        predicted within max_step_s: everything that arrives meanwhile waits for it whole, so a longer chain (a slow
+        GPU, a large model) runs as three steps that urgent work can come between. Unmeasured: chain."""
+        if not self.cfg.first_audio_chain:
+            return False
+        chain = self.costs.step_s(Stage.FIRST_AUDIO, 1)
+        if chain is None:  # measured as three steps so far (or not at all)
+            chain = self._newcomer_chain_s(1, Stage.PREFILL)
+        return chain is None or not self.cfg.max_step_s or chain <= self.cfg.max_step_s
+
+    def _newcomer_chain_s(self, n: int, start: Stage | None = None) -> float | None:
+        """Device time from a newcomer's prefill to its first audio, n newcomers batched (None: not measured), as
+        one FIRST_AUDIO step or as three (`start`: the first stage of the newcomers; None: as they run now)."""
+        if (start or self.generation_start()) == Stage.FIRST_AUDIO:
+            return self.costs.rows_s(Stage.FIRST_AUDIO, n)
         parts = (self.costs.rows_s(Stage.PREFILL, n), self.costs.rows_s(Stage.CODE_PREDICTOR, n),
                  self.costs.rows_s(Stage.CODEC, n, 1))
         return None if any(p is None for p in parts) else sum(parts)
+
+    def generation_start(self) -> Stage:
+        """The first step of a segment: FIRST_AUDIO while chaining, else PREFILL."""
+        return Stage.FIRST_AUDIO if self.chaining() else Stage.PREFILL
 
     def _next_chunk_s(self, r: Request, streams: int) -> float | None:
         """Device time until a playing stream's next codec chunk exists: the frames it still lacks (a Talker and
@@ -257,7 +279,10 @@ class Scheduler:
         talker, cp = self.costs.rows_s(Stage.TALKER, streams), self.costs.rows_s(Stage.CODE_PREDICTOR, streams)
         codec = self.costs.rows_s(Stage.CODEC, streams, want)
         if talker is None or cp is None or codec is None:
-            return None
+            # With the chain on, the Code Predictor and the codec are measured apart only once streams play; until
+            # then a frame costs what the chain does (a 1-position prefill is a Talker step's work).
+            chain = self.costs.rows_s(Stage.FIRST_AUDIO, streams) if self.chaining() else None
+            return None if chain is None else max(missing, 1) * chain
         return missing * (talker + cp) + codec
 
     def _at_risk(self, r: Request, now: float, chain: float | None, streams: int) -> bool:
@@ -277,7 +302,7 @@ class Scheduler:
     def lane_of(self, r: Request, stage: Stage) -> str:
         """Two lanes: a request's steps run on the first-audio lane while it is in the first-audio class, and every
         prefill does (the prompt-prefix cache is then touched by one lane only); the rest on the main lane."""
-        return "first" if stage == Stage.PREFILL or self.in_first_audio_class(r) else "main"
+        return "first" if stage in (Stage.PREFILL, Stage.FIRST_AUDIO) or self.in_first_audio_class(r) else "main"
 
     def plan(self, now: float, lane: str | None = None) -> StagePlan | None:
         """The next step; with `lane` ("first" or "main"), the next step of that lane only (lane_of)."""
@@ -305,7 +330,7 @@ class Scheduler:
         # A codec step is padded to `chunk` frames: every row whose own chunk fits rides along (decoding its own).
         members = [x for x in runnable if x[1] == stage and (stage != Stage.CODEC or x[2] <= chunk)]
         members.sort(key=lambda x: x[3])
-        limit = self.cfg.max_batch[stage.value]
+        limit = self.costs.max_batch[stage.value]
         if lane == "first":
             limit = min(limit, self.cfg.first_lane_max_batch)
         size = self._step_rows(stage, chunk, min(len(members), limit))
@@ -371,6 +396,12 @@ class Scheduler:
         return code0_index >= r.sampling.min_frames and not self.cfg.bench_frames_per_word
 
     def _advance(self, r: Request, stage: Stage, chunk: int, now: float) -> RowPlan:
+        if stage == Stage.FIRST_AUDIO:  # the three steps' bookkeeping, in their order; one row carries all three
+            row = self._advance(r, Stage.PREFILL, 0, now)
+            self._advance(r, Stage.CODE_PREDICTOR, 0, now)
+            self._advance(r, Stage.CODEC, 1, now)
+            return RowPlan(row.rid, row.cid, row.slot, 0, prompt=row.prompt, sampling=row.sampling,
+                           eos_allowed=row.eos_allowed, chunk=1)
         if stage == Stage.PREFILL:
             text = r.text_ids if r.layout == "whole" else r.text_ids[:1]
             r.prompt = build_prompt(self.model_cfg, r.context.voice, text, r.layout, r.context.instruction)
@@ -426,7 +457,8 @@ class Scheduler:
                     r.eos_at = r.code0_checked
                     self._stop(r, r.eos_at, "completed")
                 r.code0_checked += 1
-            if result.pcm is not None:
+            if result.pcm is not None and (r.stop_at is None or r.frames_emitted < r.stop_at):
+                # (a FIRST_AUDIO row whose code 0 was EOS decoded a frame the segment does not have)
                 self._emit_audio(r, result.pcm[i], result.codes[i], now)
         for r in [h for h in self._heads() if h.stop_at is not None]:
             self._finish_segment_if_done(r, now)

@@ -39,6 +39,9 @@ class Stage(str, enum.Enum):
     CODE_PREDICTOR = "code_predictor"
     TALKER = "talker"
     CODEC = "codec"
+    # A newcomer's whole first-audio chain as one step: PREFILL, CODE_PREDICTOR for frame 0 and a 1-frame CODEC
+    # chunk, launched back to back with no host round trip between them (SchedulerConfig.first_audio_chain)
+    FIRST_AUDIO = "first_audio"
 
 
 # ---------------------------------------------------------------------------------------------- plans (scheduler)
@@ -49,12 +52,14 @@ class RowPlan:
     rid: int  # request (segment) id: the StageResult row is matched back to the request by it
     cid: int  # context (the test-only fault hook is keyed by it)
     slot: int  # cache row on the device
-    frame: int  # PREFILL 0; CODE_PREDICTOR s (makes frame s); TALKER s (reads frame s, samples c0[s+1]); CODEC first
-    prompt: Prompt | None = None  # PREFILL
-    sampling: SamplingParams | None = None  # PREFILL: loaded into the slot's device state
+    # PREFILL and FIRST_AUDIO 0; CODE_PREDICTOR s (makes frame s); TALKER s (reads frame s, samples c0[s+1]);
+    # CODEC the first frame it decodes
+    frame: int
+    prompt: Prompt | None = None  # PREFILL, FIRST_AUDIO
+    sampling: SamplingParams | None = None  # PREFILL, FIRST_AUDIO: loaded into the slot's device state
     text_id: int | None = None  # TALKER: text-track id of this step
-    eos_allowed: bool = True  # PREFILL / TALKER: may the code-0 sampled now be EOS
-    chunk: int = 0  # CODEC: frames decoded
+    eos_allowed: bool = True  # PREFILL / FIRST_AUDIO / TALKER: may the code-0 sampled now be EOS
+    chunk: int = 0  # CODEC: frames decoded; FIRST_AUDIO 1
 
 
 @dataclass(frozen=True)
@@ -74,10 +79,11 @@ class StepOutputs:
     """What one stage function returns for a batch of rows, first on the device, then (launch) on the host side.
     A field the stage does not produce stays None."""
 
-    eos: Tensor | None = None  # PREFILL / TALKER: bool [B], the sampled code 0 is EOS
-    bad: Tensor | None = None  # PREFILL / TALKER: bool [B], the logits held a non-finite value
-    pcm: Tensor | None = None  # CODEC: float32 [B, chunk * 1920], chunk = the step's largest (collect cuts rows)
-    codes: Tensor | None = None  # CODEC: int64 [B, chunk, 16], the codes the audio was decoded from (same)
+    eos: Tensor | None = None  # PREFILL / FIRST_AUDIO / TALKER: bool [B], the sampled code 0 is EOS
+    bad: Tensor | None = None  # PREFILL / FIRST_AUDIO / TALKER: bool [B], the logits held a non-finite value
+    # CODEC / FIRST_AUDIO: float32 [B, chunk * 1920], chunk = the step's largest (collect cuts rows)
+    pcm: Tensor | None = None
+    codes: Tensor | None = None  # CODEC / FIRST_AUDIO: int64 [B, chunk, 16], the codes the audio was decoded from
 
 
 # ---------------------------------------------------------------------------------------------- step results
@@ -88,10 +94,11 @@ class StageResult:
     stage: Stage
     rids: list[int]  # the plan's rows
     elapsed_s: float  # the step's own device time (the cost model learns from it)
-    eos: list[bool] | None = None  # PREFILL / TALKER: the sampled code 0 was EOS
+    eos: list[bool] | None = None  # PREFILL / FIRST_AUDIO / TALKER: the sampled code 0 was EOS
     failed: list[str | None] | None = None  # per row: why it failed (NaN logits, exception), else None
-    pcm: list[np.ndarray | None] | None = None  # CODEC: per row float32 [chunk * 1920] (None: the row failed)
-    codes: list[np.ndarray | None] | None = None  # CODEC: per row int64 [chunk, 16], chunk = the row's own
+    # CODEC / FIRST_AUDIO: per row float32 [chunk * 1920] (None: the row failed)
+    pcm: list[np.ndarray | None] | None = None
+    codes: list[np.ndarray | None] | None = None  # CODEC / FIRST_AUDIO: per row int64 [chunk, 16], its own chunk
 
 
 # ---------------------------------------------------------------------------------------------- events

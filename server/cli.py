@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "streams' steps, so first audio never queues behind a running step")
     g.add_argument("--first-lane-max-batch", type=int, default=eng.first_lane_max_batch,
                    help="rows a first-audio lane step holds at most (its graphs are captured up to this bucket)")
+    g.add_argument("--first-audio-chain", choices=["on", "off"], default="on" if eng.first_audio_chain else "off",
+                   help="start each segment with one step that runs its prefill, frame 0's codes and its first "
+                        "1-frame chunk back to back (no host round trip between them), while that step is predicted "
+                        "within --max-step-ms")
     g.add_argument("--safety-lead-s", type=float, default=eng.safety_lead_s)
     g.add_argument("--max-step-ms", type=float, default=eng.max_step_s * 1e3,
                    help="split a batch whose predicted step is longer (bounds a newcomer's wait); 0 = off")
@@ -155,7 +159,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
     sched = replace(SchedulerConfig(), max_slots=a.max_slots, bench_frames_per_word=bench,
                     admission_load=a.admission_load, admission_first_audio_s=a.admission_first_audio_ms / 1e3,
                     safety_lead_s=a.safety_lead_s, max_step_s=a.max_step_ms / 1e3,
-                    first_audio_lane=a.first_audio_lane == "on", first_lane_max_batch=a.first_lane_max_batch)
+                    first_audio_lane=a.first_audio_lane == "on", first_lane_max_batch=a.first_lane_max_batch,
+                    first_audio_chain=a.first_audio_chain == "on")
     engine = EngineConfig(scheduler=sched, max_frames=a.max_frames, max_prompt_tokens=a.max_prompt_tokens,
                           cuda_graphs=a.cuda_graphs, debug_sync=a.debug_sync,
                           prefix_cache_entries=a.prefix_cache_entries, prefix_cache_mib=a.prefix_cache_mib)

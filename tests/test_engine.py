@@ -309,40 +309,77 @@ def test_graph_bucketing_matches_eager(tiny_model, ramp):
         assert np.abs(pcm_of(a) - pcm_of(b)).max() < 1e-5
 
 
+def run_staggered(tiny_model, gap_s: float, pairs: bool = False, broken: bool = False, **sched):
+    """Six contexts (greedy and seeded; with `pairs`, two at a time and every third in the whole layout) arriving
+    gap_s apart on an engine with these scheduler settings, graphs captured on a GPU and emulated on the CPU; with
+    `broken`, a seventh whose prefill raises. Returns (the six (context, events), the broken one's events or None,
+    the engine) after the engine stopped."""
+    on_gpu = tiny_model.device.type == "cuda"
+    engine = Engine(tiny_model, EngineConfig(
+        scheduler=SchedulerConfig(max_slots=8, admission_load=1e6, admission_first_audio_s=0, **sched),
+        max_frames=40, max_prompt_tokens=100, cuda_graphs="on" if on_gpu else "emulate"))
+    engine.warmup()
+    engine.start()
+
+    async def one(i: int):
+        await asyncio.sleep(gap_s * (i // 2 if pairs else i))
+        sampling = GREEDY.with_overrides(max_frames=12 + 2 * i) if i % 2 else SamplingParams(seed=i, max_frames=14)
+        return await speak(engine, TEXT[: 4 + i], sampling, layout="whole" if pairs and i % 3 == 2 else "dual")
+
+    async def failing():
+        ctx = engine.open_context(ContextSpec(voice="ryan", sampling=GREEDY))
+        ctx.inject_fault("exception", at_frame=0)  # raises in its prefill
+        ctx.append_text(TEXT)
+        ctx.close()
+        return await _collect(ctx)
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(6)), *([failing()] if broken else []))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.stop()
+    return results[:6], results[6] if broken else None, engine
+
+
 def test_the_first_audio_lane_changes_when_steps_run_never_what_they_compute(tiny_model):
     """Two lanes (newcomers' steps on a stream of their own, with their own graphs) beside one: staggered contexts
     get the same codes and audio. On a GPU (VOICELANE_TEST_DEVICE=cuda) the lanes' graphs replay concurrently."""
-    on_gpu = tiny_model.device.type == "cuda"
-
-    def run(lanes: bool):
-        engine = Engine(tiny_model, EngineConfig(
-            scheduler=SchedulerConfig(max_slots=8, admission_load=1e6, admission_first_audio_s=0,
-                                      first_audio_lane=lanes, first_lane_max_batch=2),
-            max_frames=40, max_prompt_tokens=100, cuda_graphs="on" if on_gpu else "emulate"))
-        engine.warmup()
-        engine.start()
-
-        async def one(i: int):
-            await asyncio.sleep(0.03 * i)
-            sampling = GREEDY.with_overrides(max_frames=12 + 2 * i) if i % 2 else SamplingParams(seed=i, max_frames=14)
-            return await speak(engine, TEXT[: 4 + i], sampling)
-
-        async def main():
-            return await asyncio.gather(*(one(i) for i in range(6)))
-
-        try:
-            return asyncio.run(main()), engine.readiness(), [lane.launched for lane in engine.core.lanes]
-        finally:
-            engine.stop()
-
-    one_lane, ready_one, _ = run(False)
-    two_lanes, ready_two, launched = run(True)
+    one_lane, _, engine_one = run_staggered(tiny_model, 0.03, first_audio_lane=False, first_lane_max_batch=2)
+    two_lanes, _, engine_two = run_staggered(tiny_model, 0.03, first_audio_lane=True, first_lane_max_batch=2)
+    ready_one, ready_two = engine_one.readiness(), engine_two.readiness()
     assert not ready_one.first_audio_lane.enabled and "off" in ready_one.first_audio_lane.reason
     assert ready_two.first_audio_lane.enabled and ready_two.first_audio_lane.batch_buckets == [1, 2]
-    assert all(n > 0 for n in launched)  # both lanes ran steps
+    assert all(lane.launched > 0 for lane in engine_two.core.lanes)  # both lanes ran steps
     for (_, a), (_, b) in zip(one_lane, two_lanes, strict=True):
         assert np.array_equal(codes_of(a), codes_of(b))
         assert np.abs(pcm_of(a) - pcm_of(b)).max() < 1e-5
+
+
+def test_the_first_audio_chain_runs_three_steps_as_one_and_changes_nothing_they_compute(tiny_model):
+    """first_audio_chain: a segment's prefill, frame 0's codes and its first chunk run as one FIRST_AUDIO step.
+    Contexts arriving in pairs (chained batches of two; dual and whole layouts, greedy and seeded) get the same
+    codes and audio as with three steps; a context whose prefill fails takes no sibling of its chained batch down.
+    On a GPU (VOICELANE_TEST_DEVICE=cuda) the three stages' graphs replay back to back. (max_step_s off: a CPU's
+    chain is longer than a short step, which would turn chaining off.)"""
+    three, failed_three, engine_three = run_staggered(tiny_model, 0.02, pairs=True, broken=True, max_step_s=0)
+    one, failed_one, engine_one = run_staggered(tiny_model, 0.02, pairs=True, broken=True, max_step_s=0,
+                                                first_audio_chain=True)
+    stages_three, stages_one = engine_three.stats().stages, engine_one.stats().stages
+    assert "first_audio" not in stages_three and stages_three["prefill"].steps > 0
+    # six contexts, the broken one and the warm-up's two utterances
+    assert "prefill" not in stages_one and stages_one["first_audio"].rows == 9
+    for failed in (failed_three, failed_one):
+        assert failed[-1].reason == "error" and "injected" in failed[-1].error_message
+        assert not any(isinstance(e, AudioChunk) for e in failed)
+    for (_, a), (_, b) in zip(three, one, strict=True):
+        assert np.array_equal(codes_of(a), codes_of(b)) and len(codes_of(a)) >= 12
+        assert np.abs(pcm_of(a) - pcm_of(b)).max() < 1e-5
+        first = next(e for e in b if isinstance(e, AudioChunk))
+        assert first.first_frame == 0 and len(first.codes) == 1  # the chain's chunk: frame 0 alone
+        times = first.first_audio
+        assert times.prefill_planned == times.code_predictor_planned == times.codec_planned <= times.collected
 
 
 def test_a_dead_engine_loop_ends_every_context(tiny_model):

@@ -52,10 +52,10 @@ class FakeRunner:
         plan = pending.plan
         res = StageResult(plan.stage, [r.rid for r in plan.rows], self.step_s)
         res.failed = [None] * len(plan.rows)
-        if plan.stage in (Stage.PREFILL, Stage.TALKER):
-            index = [0 if plan.stage == Stage.PREFILL else r.frame + 1 for r in plan.rows]
+        if plan.stage in (Stage.PREFILL, Stage.FIRST_AUDIO, Stage.TALKER):
+            index = [r.frame + 1 if plan.stage == Stage.TALKER else 0 for r in plan.rows]
             res.eos = [self.eos_at.get(r.cid) == i for r, i in zip(plan.rows, index, strict=True)]
-        if plan.stage == Stage.CODEC:
+        if plan.stage in (Stage.CODEC, Stage.FIRST_AUDIO):
             res.codes = [np.repeat(np.arange(r.frame, r.frame + r.chunk)[:, None], 16, 1) for r in plan.rows]
             res.pcm = [np.repeat(np.arange(r.frame, r.frame + r.chunk), SPF).astype(np.float32) for r in plan.rows]
         return res
@@ -516,3 +516,56 @@ def test_a_newcomers_first_frame_rides_in_the_codec_step_of_a_stream_about_to_ru
     assert [(r.cid, r.frame, r.chunk) for r in plan.rows] == [(a, 1, 4), (b, 0, 1)]
     events = sched.update(runner.collect(runner.launch(plan)), clock())
     assert [(e.cid, e.first_frame, len(e.codes), len(e.pcm)) for e in events] == [(a, 1, 4, 4 * SPF), (b, 0, 1, SPF)]
+
+
+def test_the_first_audio_chain_emits_what_three_steps_emit():
+    """first_audio_chain: each segment starts with one FIRST_AUDIO step (prefill, frame 0, its 1-frame chunk), and
+    every context gets the same frames, chunks after the first and endings as with three steps, including a
+    context whose very first code 0 is EOS (its chained frame is decoded, never emitted) and one at max_frames 1."""
+    def play(chain: bool):
+        sched, core, runner, clock, emitted = make(SchedulerConfig(max_slots=16, first_audio_chain=chain), eos_at={})
+        cids = [open_ctx(sched, clock, max_frames=m, min_frames=0) for m in (9, 1, 20, 14)]
+        runner.eos_at[cids[2]] = 0  # EOS at once: the segment has no frame
+        runner.eos_at[cids[3]] = 6
+        core.step()
+        first = runner.plans[0]
+        core.run_until_idle()
+        late = open_ctx(sched, clock, max_frames=5)  # alone on an idle engine
+        core.run_until_idle()
+        out = {i: ([int(f) for e in audio(emitted, c) for f in e.codes[:, 0]],
+                   [e.reason for e in emitted if e.cid == c and isinstance(e, ContextDone)])
+               for i, c in enumerate([*cids, late])}
+        return first, out, runner.plans, sched.stats()
+
+    first_three, three, plans_three, _ = play(False)
+    first_one, one, plans_one, stats = play(True)
+    assert first_three.stage == Stage.PREFILL
+    assert first_one.stage == Stage.FIRST_AUDIO and [(r.frame, r.chunk) for r in first_one.rows] == [(0, 1)] * 4
+    assert one == three
+    assert one[0] == (list(range(9)), ["max_frames"]) and one[1] == ([0], ["max_frames"])
+    assert one[2] == ([], ["completed"]) and one[3] == (list(range(6)), ["completed"])
+    assert {p.stage for p in plans_one} == {Stage.FIRST_AUDIO, Stage.TALKER, Stage.CODE_PREDICTOR, Stage.CODEC}
+    assert not any(r.frame == 0 for p in plans_one if p.stage == Stage.CODE_PREDICTOR for r in p.rows)
+    assert len(plans_one) < len(plans_three)
+    assert stats.contexts == 0 and stats.free_slots == 16
+
+
+def test_the_chain_costs_newcomers_as_one_measured_step_and_gives_way_when_long():
+    """With the chain on, a newcomer's predicted first audio is the FIRST_AUDIO step's own measured cost, and
+    admission uses it. A chain predicted longer than max_step_s (everything arriving meanwhile would wait for all
+    of it) gives way to three steps, costed by their parts."""
+    sched, core, runner, clock, emitted = make(SchedulerConfig(max_slots=16, first_audio_chain=True, max_step_s=0.02))
+    assert sched.chaining() and sched.predicted_first_audio_s(clock()) is None  # nothing measured: chain
+    sched.costs.observe(Stage.FIRST_AUDIO, 1, 0.007)
+    sched.costs.observe(Stage.PREFILL, 1, 0.005)  # three steps' costs, which the measured chain outranks
+    sched.costs.observe(Stage.CODE_PREDICTOR, 1, 0.006)
+    sched.costs.observe(Stage.CODEC, 1, 0.004)
+    assert sched.chaining() and sched.predicted_first_audio_s(clock()) == pytest.approx(0.007)
+    cid = open_ctx(sched, clock)
+    assert sched.generation_stage(sched.segments[cid][0]) == Stage.FIRST_AUDIO
+    for _ in range(200):  # the chain turns out long: 30 ms
+        sched.costs.observe(Stage.FIRST_AUDIO, 1, 0.030)
+    assert not sched.chaining() and sched.generation_stage(sched.segments[cid][0]) == Stage.PREFILL
+    parts = [sched.costs.rows_s(stage, 2, 1) for stage in (Stage.PREFILL, Stage.CODE_PREDICTOR, Stage.CODEC)]
+    assert sched.predicted_first_audio_s(clock()) == pytest.approx(sum(parts))  # it and the one waiting
+    assert sum(parts) < sched.costs.rows_s(Stage.FIRST_AUDIO, 2)

@@ -267,3 +267,60 @@ def test_cached_prefixes_shorten_the_simulated_prefills():
     assert prefill[0][1] == pytest.approx(ms(Stage.PREFILL, prefill[0][0]))  # the miss: the whole prompt
     assert all(s == pytest.approx(ms(Stage.PREFILL, rows, 1)) for rows, s in prefill[1:])
     assert on.summary()["prefix_cache"]["hits"] > 0
+
+
+# ---------------------------------------------------------------------- the first-audio chain (issue 13 item 3)
+def test_the_chain_costs_its_measured_rows_or_its_three_parts():
+    """Without first_audio rows a chained step costs its three stages (the prefill at the positions it runs);
+    measured rows (profile_stages --stages first_audio) replace that sum."""
+    for batch in (1, 8):
+        parts = ms(Stage.PREFILL, batch, 1) + ms(Stage.CODE_PREDICTOR, batch) + ms(Stage.CODEC, batch, 1)
+        assert ms(Stage.FIRST_AUDIO, batch, 1) == pytest.approx(parts)
+    profile = StageProfile(str(H200_PROFILE), {**H200.tables, Stage.FIRST_AUDIO: {1: [(1.0, 0.005), (8.0, 0.006)]}})
+    assert profile.step_s(Stage.FIRST_AUDIO, 1, 1) == pytest.approx(0.005)
+    assert profile.step_s(Stage.FIRST_AUDIO, 3, 1) == pytest.approx(0.005 + 0.001 * 3 / 7)  # bucket 4
+
+
+def test_an_idle_engine_gives_first_audio_after_one_chained_step():
+    """The chain on an idle engine: one host iteration and the chained step, nothing between its parts."""
+    cfg = SchedulerConfig(first_audio_chain=True)
+    report = simulate(cfg, H200, [one(mode="streamed")])
+    (listener,) = report.listeners
+    assert listener.ttfa_s == pytest.approx(HOST + ms(Stage.FIRST_AUDIO, 1, 1))
+    assert listener.done_at is not None and listener.underruns == 0
+    assert [s[0] for s in report.steps][:2] == [Stage.FIRST_AUDIO, Stage.TALKER]
+
+
+def faster(profile: StageProfile, factor: float) -> StageProfile:
+    """The profile with every step `factor` times as long (today's kernels: the pinned profile is an older one)."""
+    tables = {stage: {chunk: [(b, t * factor) for b, t in points] for chunk, points in by_chunk.items()}
+              for stage, by_chunk in profile.tables.items()}
+    return StageProfile(profile.source, tables, profile.pad_to_buckets, profile.prompt_len)
+
+
+def test_the_chain_keeps_newcomers_bounded_and_zero_underruns_under_load():
+    """On the pinned profile's costs at 0.3x (a 7.4 ms chain, as today's H200 kernels have it) the chain runs every
+    segment's start, with the policy's two load tests: a newcomer within its chain plus one short step while eight
+    streams ramp, and 10 RPS without an underrun or a refusal."""
+    fast = faster(H200, 0.3)
+    cfg = SchedulerConfig(first_audio_chain=True)
+    worst = 0.0
+    for k in range(3, 41):
+        report = simulate(cfg, fast, RAMPING + [one(at=k * 0.01, index=8)])
+        worst = max(worst, report.listeners[-1].ttfa_s)
+        assert all(x.underruns == 0 and x.done_at is not None for x in report.listeners)
+    assert worst <= HOST + fast.step_s(Stage.FIRST_AUDIO, 1, 1) + 0.020 + 0.005, f"{worst * 1e3:.1f} ms"
+    summary = simulate(cfg, fast, poisson_workload(10, 20, seed=1, mode="whole")).summary()
+    assert summary["refused"] == 0 and summary["unfinished"] == 0 and summary["underrun_requests"] == 0
+    assert summary["stages"]["first_audio"]["steps"] > 100 and "prefill" not in summary["stages"]
+
+
+def test_a_chain_longer_than_a_short_step_gives_way_to_three_steps():
+    """On the pinned profile itself the chain is 25 ms, past max_step_s (20 ms): after the first (unmeasured until
+    then) every segment starts with three steps again, and 10 RPS runs without an underrun. Chained throughout,
+    the same load had p95 first audio 106 ms and three underrunning streams (newcomers queued behind whole
+    chains)."""
+    summary = simulate(SchedulerConfig(first_audio_chain=True), H200,
+                       poisson_workload(10, 20, seed=1, mode="whole")).summary()
+    assert summary["stages"]["first_audio"]["steps"] == 1 and summary["stages"]["prefill"]["steps"] > 100
+    assert summary["refused"] == 0 and summary["underrun_requests"] == 0 and summary["ttfa_ms"]["p95"] <= 80.0

@@ -110,7 +110,7 @@ class SimRunner:
         self.clock.t += self.host_step_s
         self.events.run_until(self.clock.t)
         chunk = max(r.chunk for r in plan.rows) if plan.stage == Stage.CODEC else 0  # padded to the largest
-        if plan.stage == Stage.PREFILL:
+        if plan.stage in (Stage.PREFILL, Stage.FIRST_AUDIO):
             chunk = self._prefill_positions([r.prompt for r in plan.rows])
         seconds = self.profile.step_s(plan.stage, len(plan.rows), chunk)
         if plan.lane is None:
@@ -142,9 +142,9 @@ class SimRunner:
         plan = pending.plan
         result = StageResult(plan.stage, [r.rid for r in plan.rows], pending.seconds)
         result.failed = [None] * len(plan.rows)
-        if plan.stage in (Stage.PREFILL, Stage.TALKER):
+        if plan.stage in (Stage.PREFILL, Stage.FIRST_AUDIO, Stage.TALKER):
             result.eos = [False] * len(plan.rows)
-        if plan.stage == Stage.CODEC:
+        if plan.stage in (Stage.CODEC, Stage.FIRST_AUDIO):
             result.pcm = [self.audio.chunk(r.frame, r.chunk, self.silent_frames(r.cid)) for r in plan.rows]
             result.codes = [self.audio.codes[: r.chunk] for r in plan.rows]
         return result

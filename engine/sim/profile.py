@@ -12,6 +12,10 @@ interpolated between the measured lengths up to that one and, where no 1-positio
 each), never above the shortest measured prefill. That stand-in is a model; profile_stages --cached-lens 1 measures
 the real thing. Prefill rows are placed at the positions they ran (`positions`; profiles before it give only
 `prompt_len`, the text tokens of a whole-layout prompt about 10 positions shorter, which stands in).
+
+A FIRST_AUDIO step (prefill, Code Predictor and a 1-frame codec chunk in one launch) is read from its own rows
+where the profile has them (profile_stages --stages first_audio); otherwise it costs its three parts' sum, each
+at the same batch, the prefill at the positions it runs.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ class StageProfile:
             if all(b != r["batch"] for b, _ in points):  # one row per batch (a second run of it is ignored)
                 points.append((float(r["batch"]), r["ms"] / 1e3))
         for stage, by_chunk in tables.items():
-            if not by_chunk:
+            if not by_chunk and stage != Stage.FIRST_AUDIO:  # (optional: its parts' sum stands in)
                 raise ProfileError(f"{path}: no {stage.value} rows with graphs={graphs!r}"
                                    + (f" and prompt_len={prompt_len}" if stage == Stage.PREFILL else ""))
             for points in by_chunk.values():
@@ -94,6 +98,11 @@ class StageProfile:
             raise ValueError(f"batch {batch}: a step has at least one row")
         x = float(graph_bucket(batch) if self.pad_to_buckets else batch)
         by_chunk = self.tables[stage]
+        if stage == Stage.FIRST_AUDIO:
+            if by_chunk:  # measured at one prompt (chunk: its positions); a chain's prefill rarely differs
+                return _interp(by_chunk[min(by_chunk)], x)
+            return (self.step_s(Stage.PREFILL, batch, chunk) + self.step_s(Stage.CODE_PREDICTOR, batch)
+                    + self.step_s(Stage.CODEC, batch, 1))
         if stage == Stage.PREFILL:
             lengths = {n: _interp(points, x) for n, points in by_chunk.items() if n <= self.prompt_len}
             if 1 not in lengths:  # no 1-position prefill measured: a Talker step's cost stands in (module doc)

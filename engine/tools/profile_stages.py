@@ -6,6 +6,9 @@ mean time, the 15 costliest names per stage, printed and saved in the JSON ("top
         --prompt-lens 16 64 --cached-lens 1 4 16 --chunks 1 4 12 --out stages.json \
         [--codec-layouts contiguous channels_last]
 
+A first_audio row is the chain of one step (Stage.FIRST_AUDIO: a dual-layout prefill after its cached prefix,
+the Code Predictor for frame 0 and a 1-frame codec chunk), to set beside the sum of its three stages' rows.
+
 A prefill row gives `prompt_len` (text tokens of a whole-layout prompt; with `cached_prefix`, the positions run
 after it) and `positions` (what the prefill ran). --prompt-lens rows run with the prompt-prefix cache off (the
 whole prompt); --cached-lens rows after their prefix was cached by the warm-up call (1: a dual-layout prompt, the
@@ -142,8 +145,15 @@ class StageProfiler:
     def codec(self, batch: int, chunk: int) -> None:
         self._run(Stage.CODEC, [RowPlan(i, i, i, 0, chunk=chunk) for i in range(batch)])
 
+    def first_audio(self, batch: int) -> None:
+        """A newcomer's chain as one step: a dual-layout prompt after its cached prefix, frame 0, its audio."""
+        prompt = self.prefill_prompt(1, cached=True)
+        self.runner.prefix_cache = self.prefix_cache
+        self._run(Stage.FIRST_AUDIO, [RowPlan(i, i, i, 0, prompt=prompt, sampling=self.sampling, eos_allowed=False,
+                                              chunk=1) for i in range(batch)])
 
-STAGES = frozenset({"prefill", "talker", "code_predictor", "codec"})
+
+STAGES = frozenset({"prefill", "talker", "code_predictor", "codec", "first_audio"})
 
 
 def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chunks: list[int],
@@ -182,6 +192,10 @@ def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chu
         if "codec" in stages:
             for c in chunks:
                 measure("codec", b, lambda b=b, c=c: p.codec(b, c), chunk=c)
+        if "first_audio" in stages:  # the prefill is one position after the prefix, as the engine runs it
+            prompt = p.prefill_prompt(1, True)
+            measure("first_audio", b, lambda b=b: p.first_audio(b), prompt_len=1,
+                    positions=len(prompt) - prompt.prefix_len, cached_prefix=prompt.prefix_len)
     return rows
 
 

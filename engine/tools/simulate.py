@@ -32,6 +32,8 @@ def scheduler_config(args) -> SchedulerConfig:
         overrides["policy"] = args.policy
     if args.first_audio_lane:
         overrides["first_audio_lane"] = True
+    if args.first_audio_chain is not None:
+        overrides["first_audio_chain"] = args.first_audio_chain == "on"
     return replace(cfg, **overrides)
 
 
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--plan-lead-ms", type=float, default=None, help="plan the next step this long before the "
                     "running one ends (0: at once, the device queue two deep; default: the configured one)")
     ap.add_argument("--first-audio-lane", action="store_true", help="two lanes: newcomers on a stream of their own")
+    ap.add_argument("--first-audio-chain", choices=["on", "off"], default=None, help="a segment's prefill, frame "
+                    "0's codes and its first 1-frame chunk as one step (default: the configured one)")
     ap.add_argument("--lane-slowdown", type=float, default=1.0, help="two lanes: a step overlapping the other "
                     "lane's work takes this much longer (1: no contention)")
     ap.add_argument("--out", default=None, help="write the summaries as JSON here")
@@ -69,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
                          lane_slowdown=a.lane_slowdown)
     results = {}
     lanes = f", first-audio lane (slowdown {a.lane_slowdown:g})" if cfg.first_audio_lane else ""
+    lanes += ", first-audio chain" if cfg.first_audio_chain else ""
     print(f"simulated (profile {a.profile}, policy {cfg.policy}, plan lead {cfg.plan_lead_s * 1e3:g} ms{lanes}, "
           f"{a.mode}, {a.duration:g} s)")
     print(f"{'rps':>5} {'offered':>7} {'refused':>7} {'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7} {'underrun':>8} "
