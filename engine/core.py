@@ -21,13 +21,18 @@ from typing import TYPE_CHECKING
 
 from engine.scheduler import Scheduler
 from engine.trace import Timeline
-from engine.types import EngineEvent, StageStats
+from engine.types import EngineEvent, Stage, StageStats
 
 if TYPE_CHECKING:  # the loop itself needs no torch: the simulator drives it with a simulated runner
     from engine.runner import Pending, Runner
 
 log = logging.getLogger("voicelane.engine")
 POLL_S = 0.0002  # a step past its predicted end: look again this often (a wait that any call cuts short)
+
+
+def carries_first_audio(plan) -> bool:
+    """Does this step make a segment's first audio (a chained first step, or a codec step with a first chunk)?"""
+    return plan.stage == Stage.FIRST_AUDIO or (plan.stage == Stage.CODEC and any(r.frame == 0 for r in plan.rows))
 
 
 @dataclass
@@ -69,6 +74,12 @@ class EngineCore:
     def step(self) -> bool:
         if self.lanes:
             return self._step_lanes()
+        if self.scheduler.cfg.collect_first_audio_at_once and self.in_flight is not None \
+                and carries_first_audio(self.in_flight.plan):
+            # Its listener waits for this step: hand its audio over before the host plans and launches the next
+            # one (the device idles for that long, about a millisecond per newcomer).
+            self._finish(self.in_flight)
+            self.in_flight, self.in_flight_end = None, None
         if self.plan_lead_s and self.in_flight is not None and self.in_flight_end is not None:
             # Late planning: what arrives while the device runs its step still makes the next one.
             wait = self.in_flight_end - self.plan_lead_s - self.clock()

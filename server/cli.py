@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start each segment with one step that runs its prefill, frame 0's codes and its first "
                         "1-frame chunk back to back (no host round trip between them), while that step is predicted "
                         "within --max-step-ms")
+    g.add_argument("--collect-first-audio-at-once", choices=["on", "off"],
+                   default="on" if eng.collect_first_audio_at_once else "off",
+                   help="collect a step that makes first audio before launching the next one (the device idles "
+                        "for the host's launch)")
     g.add_argument("--safety-lead-s", type=float, default=eng.safety_lead_s)
     g.add_argument("--max-step-ms", type=float, default=eng.max_step_s * 1e3,
                    help="split a batch whose predicted step is longer (bounds a newcomer's wait); 0 = off")
@@ -160,7 +164,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
                     admission_load=a.admission_load, admission_first_audio_s=a.admission_first_audio_ms / 1e3,
                     safety_lead_s=a.safety_lead_s, max_step_s=a.max_step_ms / 1e3,
                     first_audio_lane=a.first_audio_lane == "on", first_lane_max_batch=a.first_lane_max_batch,
-                    first_audio_chain=a.first_audio_chain == "on")
+                    first_audio_chain=a.first_audio_chain == "on",
+                    collect_first_audio_at_once=a.collect_first_audio_at_once == "on")
     engine = EngineConfig(scheduler=sched, max_frames=a.max_frames, max_prompt_tokens=a.max_prompt_tokens,
                           cuda_graphs=a.cuda_graphs, debug_sync=a.debug_sync,
                           prefix_cache_entries=a.prefix_cache_entries, prefix_cache_mib=a.prefix_cache_mib)

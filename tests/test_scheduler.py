@@ -569,3 +569,27 @@ def test_the_chain_costs_newcomers_as_one_measured_step_and_gives_way_when_long(
     parts = [sched.costs.rows_s(stage, 2, 1) for stage in (Stage.PREFILL, Stage.CODE_PREDICTOR, Stage.CODEC)]
     assert sched.predicted_first_audio_s(clock()) == pytest.approx(sum(parts))  # it and the one waiting
     assert sum(parts) < sched.costs.rows_s(Stage.FIRST_AUDIO, 2)
+
+
+@pytest.mark.parametrize("chain", [False, True])
+@pytest.mark.parametrize("at_once", [False, True])
+def test_a_step_making_first_audio_is_collected_before_the_next_launch_when_asked(at_once, chain):
+    """collect_first_audio_at_once: the one-step-late loop launches the next step before it collects the one in
+    flight, unless that one makes a segment's first audio (a chained first step or a first codec chunk): then its
+    audio is delivered first. Other steps stay one step late either way."""
+    cfg = SchedulerConfig(max_slots=16, first_audio_chain=chain, collect_first_audio_at_once=at_once)
+    sched, core, runner, clock, emitted = make(cfg)
+    log = []
+    launch = runner.launch
+    runner.launch = lambda plan: log.append(("launch", plan.stage, [r.frame for r in plan.rows])) or launch(plan)
+    core.deliver = lambda events: log.extend(("audio", e.cid, e.first_frame) for e in events
+                                             if isinstance(e, AudioChunk))
+    cid = open_ctx(sched, clock, max_frames=6)
+    core.run_until_idle()
+    first = log.index(("audio", cid, 0))
+    stage = Stage.FIRST_AUDIO if chain else Stage.CODEC
+    making = max(i for i, x in enumerate(log[:first]) if x == ("launch", stage, [0]))  # the step that made it
+    # at once: delivered before anything else is launched; else the next step's launch comes between
+    assert first - making == (1 if at_once else 2)
+    later = [i for i, x in enumerate(log) if x[0] == "audio" and x[2] > 0]
+    assert later and all(log[i - 1][0] == "launch" for i in later)  # the rest one step late

@@ -34,6 +34,8 @@ def scheduler_config(args) -> SchedulerConfig:
         overrides["first_audio_lane"] = True
     if args.first_audio_chain is not None:
         overrides["first_audio_chain"] = args.first_audio_chain == "on"
+    if args.collect_first_audio_at_once is not None:
+        overrides["collect_first_audio_at_once"] = args.collect_first_audio_at_once == "on"
     return replace(cfg, **overrides)
 
 
@@ -62,6 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--first-audio-lane", action="store_true", help="two lanes: newcomers on a stream of their own")
     ap.add_argument("--first-audio-chain", choices=["on", "off"], default=None, help="a segment's prefill, frame "
                     "0's codes and its first 1-frame chunk as one step (default: the configured one)")
+    ap.add_argument("--collect-first-audio-at-once", choices=["on", "off"], default=None, help="collect a step "
+                    "that makes first audio before launching the next (default: the configured one)")
     ap.add_argument("--lane-slowdown", type=float, default=1.0, help="two lanes: a step overlapping the other "
                     "lane's work takes this much longer (1: no contention)")
     ap.add_argument("--out", default=None, help="write the summaries as JSON here")
