@@ -53,12 +53,12 @@ class SchedulerConfig:
     # A newcomer's prefill, its frame 0's Code Predictor and its first 1-frame codec chunk as one step
     # (Stage.FIRST_AUDIO): launched back to back, collected once, so no host round trip (collect, plan, launch)
     # sits between them (issue 13 item 3). Its batches hold at most max_batch["prefill"] rows. Off: three steps.
-    first_audio_chain: bool = False
+    first_audio_chain: bool = True
     # Collect a step that makes a segment's first audio as soon as the device has finished it, before planning and
     # launching the next step (the one-step-late loop would launch the next one first: its host time, a
     # millisecond or more with the server beside it on one GIL, would count into that first audio). The device
     # idles meanwhile. One lane only.
-    collect_first_audio_at_once: bool = False
+    collect_first_audio_at_once: bool = True
 
     @property
     def slots(self) -> int:

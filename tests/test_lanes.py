@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from engine.config import EngineConfigError, SchedulerConfig
+from engine.config import EngineConfigError
 from engine.core import EngineCore
 from engine.scheduler import Scheduler
 from engine.trace import Timeline
 from engine.types import AudioChunk, ContextDone, Stage, StagePlan, StageResult
-from tests.test_scheduler import MODEL, SPF, Clock, open_ctx
+from tests.test_scheduler import MODEL, SPF, Clock, open_ctx, three_steps
 
 # A playing stream's codec chunk takes long: what a newcomer would queue behind on one stream.
 STEP_S = {Stage.PREFILL: 0.003, Stage.CODE_PREDICTOR: 0.003, Stage.TALKER: 0.002, Stage.CODEC: 0.004}
@@ -75,7 +75,7 @@ def make(lanes: bool, arrivals: dict[float, tuple[int, int]]):
     """A scheduler, the loop and the fake device; `arrivals`: time -> (words, max_frames) of a context opened then
     (the loop's waits run them, as the server's calls interrupt the engine thread's waits)."""
     clock = Clock()
-    cfg = SchedulerConfig(max_slots=16, first_audio_lane=lanes, admission_first_audio_s=0, plan_lead_s=0.002)
+    cfg = three_steps(max_slots=16, first_audio_lane=lanes, admission_first_audio_s=0, plan_lead_s=0.002)
     sched = Scheduler(cfg, MODEL, Timeline())
     device = TwoStreamDevice(clock)
     emitted, opened, first_audio = [], {}, {}
@@ -175,4 +175,4 @@ def test_two_lanes_lose_nothing_under_staggered_arrivals():
 
 def test_the_first_audio_lane_needs_the_first_audio_policy():
     with pytest.raises(EngineConfigError, match="first_audio_lane"):
-        SchedulerConfig(first_audio_lane=True, policy="edf").validate()
+        three_steps(first_audio_lane=True, policy="edf").validate()

@@ -18,6 +18,13 @@ from engine.scheduler import AdmissionRefused, Scheduler
 from engine.trace import Timeline
 from engine.types import AudioChunk, ContextDone, Stage, StagePlan, StageResult
 
+
+def three_steps(**settings) -> SchedulerConfig:
+    """A SchedulerConfig whose segments start with three steps (PREFILL, CODE_PREDICTOR, CODEC), each collected one
+    step late: the mechanics these tests pin. The first-audio chain and its early collect (on by default) have
+    tests of their own, which turn them on here by name."""
+    return SchedulerConfig(**{"first_audio_chain": False, "collect_first_audio_at_once": False, **settings})
+
 MODEL = ModelConfig.from_dict(model_config("tiny"))
 SPF = 1920
 
@@ -63,7 +70,7 @@ class FakeRunner:
 
 def make(cfg: SchedulerConfig | None = None, eos_at=None):
     clock = Clock()
-    sched = Scheduler(cfg or SchedulerConfig(max_slots=16), MODEL, Timeline())
+    sched = Scheduler(cfg or three_steps(max_slots=16), MODEL, Timeline())
     runner = FakeRunner(clock, eos_at)
     emitted = []
     core = EngineCore(sched, runner, emitted.extend, sched.timeline, clock)
@@ -129,7 +136,7 @@ def test_text_starved_request_waits_and_never_reads_padding():
 
 
 def test_stream_about_to_underrun_is_the_anchor():
-    sched, core, runner, clock, emitted = make(SchedulerConfig(max_slots=8, safety_lead_s=0.1))
+    sched, core, runner, clock, emitted = make(three_steps(max_slots=8, safety_lead_s=0.1))
     calm, urgent = open_ctx(sched, clock, max_frames=200), open_ctx(sched, clock, max_frames=200)
     for _ in range(30):
         core.step()
@@ -175,11 +182,11 @@ def test_cancel_mid_batch_frees_the_slot_and_emits_nothing_after():
 
 
 def test_admission_refuses_when_slots_or_predicted_time_run_out():
-    sched, core, runner, clock, emitted = make(SchedulerConfig(max_slots=2))
+    sched, core, runner, clock, emitted = make(three_steps(max_slots=2))
     open_ctx(sched, clock), open_ctx(sched, clock)
     with pytest.raises(AdmissionRefused, match="slots"):
         open_ctx(sched, clock)
-    sched2, *_ = make(SchedulerConfig(max_slots=64, admission_load=0.8))
+    sched2, *_ = make(three_steps(max_slots=64, admission_load=0.8))
     for batch in (1, 4, 8):  # 30 ms per Talker or Code Predictor step: three streams already fill 80 ms
         for stage in (Stage.TALKER, Stage.CODE_PREDICTOR):
             sched2.costs.observe(stage, batch, 0.030 + 0.001 * batch)
@@ -190,7 +197,7 @@ def test_admission_refuses_when_slots_or_predicted_time_run_out():
 
 def test_no_stream_starves_under_random_load():
     rng = random.Random(4)
-    cfg = SchedulerConfig(max_slots=16, max_batch={"prefill": 2, "talker": 3, "code_predictor": 3, "codec": 2})
+    cfg = three_steps(max_slots=16, max_batch={"prefill": 2, "talker": 3, "code_predictor": 3, "codec": 2})
     clock = Clock()
     sched = Scheduler(cfg, MODEL, Timeline())
     runner = FakeRunner(clock)
@@ -234,7 +241,7 @@ def test_timeline_exports_chrome_trace():
 
 
 def test_client_buffer_level_and_state_drive_urgency():
-    sched, core, runner, clock, emitted = make(SchedulerConfig(max_slots=8, safety_lead_s=0.1))
+    sched, core, runner, clock, emitted = make(three_steps(max_slots=8, safety_lead_s=0.1))
     cid = open_ctx(sched, clock, max_frames=200)
     for _ in range(30):
         core.step()
@@ -277,7 +284,7 @@ def test_the_cost_model_fits_codec_steps_of_every_chunk_size_as_frame_rows():
 
 
 def test_scheduler_teaches_the_cost_model_each_codec_steps_chunk():
-    sched, *_ = make(SchedulerConfig(max_slots=4))
+    sched, *_ = make(three_steps(max_slots=4))
     seen = []
     sched.costs.observe = lambda stage, batch, seconds, frames=1: seen.append((stage, batch, frames))
     codes = [None, np.zeros((8, 16), np.int64)]  # a failed row has no codes
@@ -297,7 +304,7 @@ def test_a_step_predicted_too_long_is_split_so_newcomers_wait_less():
         return 0.002 + per_row * batch
 
     def codec_batches(max_step_s):
-        cfg = SchedulerConfig(max_slots=24, max_step_s=max_step_s, admission_load=1e6)
+        cfg = three_steps(max_slots=24, max_step_s=max_step_s, admission_load=1e6)
         sched, core, runner, clock, emitted = make(cfg)
         cids = [open_ctx(sched, clock, words=20, max_frames=30) for _ in range(24)]
         sched.costs.step_s = codec_heavy  # the fitted model, fixed for the test
@@ -328,7 +335,7 @@ def serve(sched, runner, clock, until, limit=500):
 
 def playing_and_newcomer(policy, reports_onset=False):
     """One stream playing with some slack (2 chunks, 240 ms, out), then a newcomer."""
-    sched, _, runner, clock, _ = make(SchedulerConfig(max_slots=16, policy=policy))
+    sched, _, runner, clock, _ = make(three_steps(max_slots=16, policy=policy))
     a = sched.open_context(resolve_voice(MODEL, "ryan", "english"), SamplingParams(max_frames=200, min_frames=200),
                            clock(), layout="whole", reports_onset=reports_onset)
     sched.append_text(a, list(range(100, 140)), clock())
@@ -364,7 +371,7 @@ def test_a_playing_stream_about_to_run_dry_goes_ahead_of_a_newcomer():
 
 
 def test_first_audio_class_holds_until_the_reported_onset():
-    sched, _, runner, clock, _ = make(SchedulerConfig(max_slots=16, first_audio_max_s=0.5))
+    sched, _, runner, clock, _ = make(three_steps(max_slots=16, first_audio_max_s=0.5))
     voice = resolve_voice(MODEL, "ryan", "english")
     cids = {}
     for name, reports in (("reports", True), ("silent", True), ("plain", False)):
@@ -398,10 +405,10 @@ def test_admission_refuses_a_newcomer_whose_predicted_first_audio_is_too_late():
     sched, runner, clock, a, b = playing_and_newcomer("first_audio")
     predicted = sched.predicted_first_audio_s(clock())
     assert predicted is not None and predicted >= 3 * runner.step_s  # at least prefill, CP, codec
-    sched.cfg = SchedulerConfig(max_slots=16, admission_first_audio_s=predicted * 0.9)
+    sched.cfg = three_steps(max_slots=16, admission_first_audio_s=predicted * 0.9)
     with pytest.raises(AdmissionRefused, match="predicted first audio"):
         open_ctx(sched, clock)
-    sched.cfg = SchedulerConfig(max_slots=16, admission_first_audio_s=predicted * 1.5)
+    sched.cfg = three_steps(max_slots=16, admission_first_audio_s=predicted * 1.5)
     open_ctx(sched, clock)
 
 
@@ -437,7 +444,7 @@ def ramping_streams(policy):
     """Streams arriving 8 steps apart while the earlier ones ramp up their chunks; codec steps cost 10 ms per frame
     of their padded size (a CPU's codec). Returns each codec plan with the chunk every request could decode just
     before it was planned."""
-    cfg = SchedulerConfig(max_slots=16, chunk_ramp=(1, 2, 4, 12), policy=policy, admission_load=1e6,
+    cfg = three_steps(max_slots=16, chunk_ramp=(1, 2, 4, 12), policy=policy, admission_load=1e6,
                           admission_first_audio_s=0)
     sched, core, runner, clock, emitted = make(cfg)
     steps, plan, launch = [], sched.plan, runner.launch
@@ -487,7 +494,7 @@ def test_a_codec_step_takes_every_chunk_up_to_the_anchors_and_each_row_decodes_i
 
 def ramping_stream_and_newcomer():
     """A stream whose next chunk (4 frames, ramp 1, 4) and a newcomer whose first chunk (1 frame) are both ready."""
-    cfg = SchedulerConfig(max_slots=16, chunk_ramp=(1, 4), admission_first_audio_s=0)
+    cfg = three_steps(max_slots=16, chunk_ramp=(1, 4), admission_first_audio_s=0)
     sched, _, runner, clock, _ = make(cfg)
     a = open_ctx(sched, clock, words=40, layout="whole", max_frames=200, min_frames=200)
     ra = sched.segments[a][0]
@@ -523,7 +530,7 @@ def test_the_first_audio_chain_emits_what_three_steps_emit():
     every context gets the same frames, chunks after the first and endings as with three steps, including a
     context whose very first code 0 is EOS (its chained frame is decoded, never emitted) and one at max_frames 1."""
     def play(chain: bool):
-        sched, core, runner, clock, emitted = make(SchedulerConfig(max_slots=16, first_audio_chain=chain), eos_at={})
+        sched, core, runner, clock, emitted = make(three_steps(max_slots=16, first_audio_chain=chain), eos_at={})
         cids = [open_ctx(sched, clock, max_frames=m, min_frames=0) for m in (9, 1, 20, 14)]
         runner.eos_at[cids[2]] = 0  # EOS at once: the segment has no frame
         runner.eos_at[cids[3]] = 6
@@ -554,7 +561,7 @@ def test_the_chain_costs_newcomers_as_one_measured_step_and_gives_way_when_long(
     """With the chain on, a newcomer's predicted first audio is the FIRST_AUDIO step's own measured cost, and
     admission uses it. A chain predicted longer than max_step_s (everything arriving meanwhile would wait for all
     of it) gives way to three steps, costed by their parts."""
-    sched, core, runner, clock, emitted = make(SchedulerConfig(max_slots=16, first_audio_chain=True, max_step_s=0.02))
+    sched, core, runner, clock, emitted = make(three_steps(max_slots=16, first_audio_chain=True, max_step_s=0.02))
     assert sched.chaining() and sched.predicted_first_audio_s(clock()) is None  # nothing measured: chain
     sched.costs.observe(Stage.FIRST_AUDIO, 1, 0.007)
     sched.costs.observe(Stage.PREFILL, 1, 0.005)  # three steps' costs, which the measured chain outranks
@@ -577,7 +584,7 @@ def test_a_step_making_first_audio_is_collected_before_the_next_launch_when_aske
     """collect_first_audio_at_once: the one-step-late loop launches the next step before it collects the one in
     flight, unless that one makes a segment's first audio (a chained first step or a first codec chunk): then its
     audio is delivered first. Other steps stay one step late either way."""
-    cfg = SchedulerConfig(max_slots=16, first_audio_chain=chain, collect_first_audio_at_once=at_once)
+    cfg = three_steps(max_slots=16, first_audio_chain=chain, collect_first_audio_at_once=at_once)
     sched, core, runner, clock, emitted = make(cfg)
     log = []
     launch = runner.launch

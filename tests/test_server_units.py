@@ -319,7 +319,9 @@ def test_cli_resolves_flags_keys_and_hides_them(tmp_path, monkeypatch, capsys):
         return config_from_args(build_parser().parse_args(["serve", "--device", "cpu", *argv])).engine.scheduler
     assert bench_of().bench_frames_per_word == 5
     assert bench_of("--bench-frames-per-word", "0").bench_frames_per_word == 0
-    assert not bench_of().first_audio_chain and bench_of("--first-audio-chain", "on").first_audio_chain
+    assert bench_of().first_audio_chain and not bench_of("--first-audio-chain", "off").first_audio_chain
+    assert bench_of().collect_first_audio_at_once
+    assert not bench_of("--collect-first-audio-at-once", "off").collect_first_audio_at_once
     with pytest.raises(Exception, match="not a checkpoint directory"):
         config_from_args(build_parser().parse_args(["serve", "--model", str(tmp_path)]))
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.config import SchedulerConfig
 from engine.sim.profile import DEFAULT_PROFILE, StageProfile
 from engine.sim.run import Listener, SimOptions, Simulation, simulate
 from engine.sim.workload import Arrival, poisson_workload, word_ids
 from engine.types import AudioChunk, Stage
+from tests.test_scheduler import three_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 # Pinned here, not read from docs/benchmarks/: a new H200 profile there must not silently move these bounds.
@@ -69,7 +69,7 @@ def test_an_idle_engine_gives_first_audio_after_exactly_the_first_audio_chain():
     which is collected while the Code Predictor runs)."""
     chain = HOST + ms(Stage.PREFILL) + ms(Stage.CODE_PREDICTOR) + ms(Stage.CODEC, 1, 1)
     for mode in ("whole", "streamed"):
-        report = simulate(SchedulerConfig(), H200, [one(mode=mode)])
+        report = simulate(three_steps(), H200, [one(mode=mode)])
         (listener,) = report.listeners
         assert listener.ttfa_s == pytest.approx(chain)
         assert listener.done_at is not None and listener.underruns == 0
@@ -86,7 +86,7 @@ def newcomer_prefill_and_steps_before(cfg, at=0.2):
 def test_planned_at_once_a_newcomer_waits_for_the_step_in_flight_and_the_one_already_queued():
     """plan_lead_s = 0: the core launches step i before collecting step i-1, so when a request arrives while the
     host waits for step i-1, step i is already queued, and the newcomer's prefill runs after both."""
-    prefill_2, before = newcomer_prefill_and_steps_before(SchedulerConfig(plan_lead_s=0.0))
+    prefill_2, before = newcomer_prefill_and_steps_before(three_steps(plan_lead_s=0.0))
     running = next(s for s in before if s[3] <= 0.2 < s[3] + s[4])
     queued = before[before.index(running) + 1]
     assert queued[3] == pytest.approx(running[3] + running[4])  # queued at once, behind the running step
@@ -100,7 +100,7 @@ def test_planned_late_a_newcomer_waits_for_the_running_step_only(at):
     arrives before that point is in it: its prefill starts when the running step ends, and the device never
     idles between steps (the lead covers the host's planning)."""
     lead = 0.005
-    prefill_2, before = newcomer_prefill_and_steps_before(SchedulerConfig(plan_lead_s=lead), at)
+    prefill_2, before = newcomer_prefill_and_steps_before(three_steps(plan_lead_s=lead), at)
     running = next(s for s in before if s[3] <= at < s[3] + s[4])
     if at < running[3] + running[4] - lead:
         assert before[-1] is running and prefill_2[3] == pytest.approx(running[3] + running[4])
@@ -130,15 +130,15 @@ def test_listener_drops_leading_silence_and_counts_late_packets_as_underruns():
 
 
 def test_silent_leading_frames_delay_audible_first_audio_by_their_chunks():
-    quiet = simulate(SchedulerConfig(), H200, [one(silent=3)]).listeners[0]
-    loud = simulate(SchedulerConfig(), H200, [one(silent=0)]).listeners[0]
+    quiet = simulate(three_steps(), H200, [one(silent=3)]).listeners[0]
+    loud = simulate(three_steps(), H200, [one(silent=0)]).listeners[0]
     assert quiet.ttfa_s > loud.ttfa_s + ms(Stage.TALKER) + ms(Stage.CODE_PREDICTOR)  # at least 1 more frame
     assert quiet.dropped_s == pytest.approx(3 * 0.08)
     assert quiet.first_packet_at == loud.first_packet_at
 
 
 def test_refused_requests_count_as_infinite_first_audio():
-    cfg = SchedulerConfig(max_slots=1)
+    cfg = three_steps(max_slots=1)
     report = simulate(cfg, H200, [one(), one(at=0.001, index=1)])
     s = report.summary()
     assert s["refused"] == 1 and math.isinf(s["ttfa_ms"]["p95"])
@@ -160,13 +160,13 @@ def test_streamed_words_arriving_slowly_pace_the_frames():
     """Dual layout reads one text token per frame: words every 300 ms starve the stream between them, so the
     audio ends after the last word, not at the GPU's pace."""
     arrival = one("one two three four five six", mode="streamed")
-    fast = simulate(SchedulerConfig(), H200, [arrival], SimOptions(word_interval_s=0.01)).listeners[0]
-    slow = simulate(SchedulerConfig(), H200, [arrival], SimOptions(word_interval_s=0.3)).listeners[0]
+    fast = simulate(three_steps(), H200, [arrival], SimOptions(word_interval_s=0.01)).listeners[0]
+    slow = simulate(three_steps(), H200, [arrival], SimOptions(word_interval_s=0.3)).listeners[0]
     assert fast.done_at < 1.0 < 1.5 < slow.done_at
 
 
 def test_acks_reach_the_scheduler():
-    sim = Simulation(SchedulerConfig(), H200, [one("a " * 20)], SimOptions(ack_interval_s=0.05))
+    sim = Simulation(three_steps(), H200, [one("a " * 20)], SimOptions(ack_interval_s=0.05))
     seen = []
     original = sim.scheduler.playback
     sim.scheduler.playback = lambda *a: (seen.append(a), original(*a))[1]
@@ -215,7 +215,7 @@ def test_a_newcomer_reaches_first_audio_within_its_chain_plus_one_short_step_whi
     the two-deep device queue, before issue 13, gave up to 166 ms here: ramping streams outranked it."""
     worst = 0.0
     for k in range(3, 41):
-        report = simulate(cfg or SchedulerConfig(), H200, RAMPING + [one(at=k * 0.01, index=8)])
+        report = simulate(cfg or three_steps(), H200, RAMPING + [one(at=k * 0.01, index=8)])
         newcomer = report.listeners[-1]
         worst = max(worst, newcomer.ttfa_s)
         assert all(x.underruns == 0 and x.done_at is not None for x in report.listeners)
@@ -224,7 +224,7 @@ def test_a_newcomer_reaches_first_audio_within_its_chain_plus_one_short_step_whi
 
 def test_zero_underruns_and_no_refusals_at_10_rps():
     """Whole-text Poisson arrivals at 10 RPS for 20 s (about 35 concurrent streams) on the H200 profile."""
-    s = simulate(SchedulerConfig(), H200, poisson_workload(10, 20, seed=1, mode="whole")).summary()
+    s = simulate(three_steps(), H200, poisson_workload(10, 20, seed=1, mode="whole")).summary()
     assert s["requests"] > 150 and s["refused"] == 0 and s["unfinished"] == 0
     assert s["underrun_requests"] == 0 and s["stall_ms"] == 0
     assert s["ttfa_ms"]["p95"] <= 80.0  # simulator's 62 ms on this seed; the old policy's 182 ms
@@ -259,8 +259,8 @@ def test_cached_prefixes_shorten_the_simulated_prefills():
     """Streamed (dual-layout) arrivals: after the first, every prompt's prefix is cached (one voice), so each
     prefill runs one position; with the cache off each runs the whole prompt."""
     arrivals = poisson_workload(20, 5, seed=2, mode="streamed")
-    on = simulate(SchedulerConfig(), H200, arrivals)
-    off = simulate(SchedulerConfig(), H200, arrivals, SimOptions(prefix_cache_entries=0))
+    on = simulate(three_steps(), H200, arrivals)
+    off = simulate(three_steps(), H200, arrivals, SimOptions(prefix_cache_entries=0))
     prefill = [(rows, s) for stage, rows, _, _, s in on.steps if stage == Stage.PREFILL]
     assert on.extra["prefix_cache"] == {"hits": sum(rows for rows, _ in prefill) - 1, "misses": 1}
     assert off.extra["prefix_cache"] == {"hits": 0, "misses": 0}
@@ -283,7 +283,7 @@ def test_the_chain_costs_its_measured_rows_or_its_three_parts():
 
 def test_an_idle_engine_gives_first_audio_after_one_chained_step():
     """The chain on an idle engine: one host iteration and the chained step, nothing between its parts."""
-    cfg = SchedulerConfig(first_audio_chain=True)
+    cfg = three_steps(first_audio_chain=True)
     report = simulate(cfg, H200, [one(mode="streamed")])
     (listener,) = report.listeners
     assert listener.ttfa_s == pytest.approx(HOST + ms(Stage.FIRST_AUDIO, 1, 1))
@@ -303,7 +303,7 @@ def test_the_chain_keeps_newcomers_bounded_and_zero_underruns_under_load():
     segment's start, with the policy's two load tests: a newcomer within its chain plus one short step while eight
     streams ramp, and 10 RPS without an underrun or a refusal."""
     fast = faster(H200, 0.3)
-    cfg = SchedulerConfig(first_audio_chain=True)
+    cfg = three_steps(first_audio_chain=True)
     worst = 0.0
     for k in range(3, 41):
         report = simulate(cfg, fast, RAMPING + [one(at=k * 0.01, index=8)])
@@ -320,7 +320,7 @@ def test_a_chain_longer_than_a_short_step_gives_way_to_three_steps():
     then) every segment starts with three steps again, and 10 RPS runs without an underrun. Chained throughout,
     the same load had p95 first audio 106 ms and three underrunning streams (newcomers queued behind whole
     chains)."""
-    summary = simulate(SchedulerConfig(first_audio_chain=True), H200,
+    summary = simulate(three_steps(first_audio_chain=True), H200,
                        poisson_workload(10, 20, seed=1, mode="whole")).summary()
     assert summary["stages"]["first_audio"]["steps"] == 1 and summary["stages"]["prefill"]["steps"] > 100
     assert summary["refused"] == 0 and summary["underrun_requests"] == 0 and summary["ttfa_ms"]["p95"] <= 80.0
