@@ -24,6 +24,10 @@ PHASE = "voicelane_first_audio_phase_seconds"
 # server.metrics.FIRST_AUDIO_PHASES, in order (the load generator is a client: it does not import the server);
 # a phase the server adds later is reported after these.
 PHASES = ("server_in", "queue", "prefill_to_cp", "cp_to_codec", "codec_to_collect", "deliver", "encode", "send")
+# The engine loop's own accounting (server/metrics.py engine_families): steps launched, the engine thread's host
+# time, the device's idle gaps between consecutive steps and each stage's step time.
+ITERATIONS, HOST = "voicelane_engine_iterations", "voicelane_engine_host_seconds"
+IDLE, STEP = "voicelane_engine_device_idle_seconds", "voicelane_engine_step_seconds"
 QUANTILES = (0.50, 0.95)
 
 
@@ -127,7 +131,38 @@ def breakdown(start: str, end: str, transport: str, client_ttfa_ms: dict) -> dic
     order = [p for p in PHASES if p in phases] + sorted(set(phases) - set(PHASES))
     return {"transport": transport, "ttfa_ms": ttfa, "phases_ms": {p: phases[p] for p in order},
             "client_audible_ttfa_ms": client_ttfa_ms,
-            "client_minus_server_ms": {q: client_ttfa_ms.get(q, math.nan) - ttfa[q] for q in ("p50", "mean")}}
+            "client_minus_server_ms": {q: client_ttfa_ms.get(q, math.nan) - ttfa[q] for q in ("p50", "mean")},
+            "engine_loop": engine_loop(start, end)}
+
+
+def counter(text: str, name: str) -> float | None:
+    """The value of an unlabelled counter family `name` in an exposition (None: not there)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            return sum(s.value for s in family.samples if s.name == name + "_total")
+    return None
+
+
+def engine_loop(start: str, end: str) -> dict | None:
+    """The engine loop over the window: steps launched, the engine thread's host time per step, the device's busy
+    time (the stages' step times) and its idle gaps between steps (count, total, mean and p50 / p95 of a gap, and
+    the idle share of busy + idle). None for a server without these series."""
+    counts = [(counter(start, name), counter(end, name)) for name in (ITERATIONS, HOST)]
+    idle_after = histograms(end, IDLE).get(())
+    if idle_after is None or any(a is None or b is None for a, b in counts):
+        return None
+    (it0, it1), (host0, host1) = counts
+    steps = it1 - it0
+    idle = idle_after.minus(histograms(start, IDLE).get(()))
+    busy_before = histograms(start, STEP)
+    busy = sum(h.total - (busy_before[k].total if k in busy_before else 0.0)
+               for k, h in histograms(end, STEP).items())
+    return {"steps": int(steps), "host_ms_per_step": (host1 - host0) / steps * 1e3 if steps else math.nan,
+            "busy_ms": busy * 1e3, "idle_ms": idle.total * 1e3,
+            "idle_share": idle.total / (idle.total + busy) if idle.total + busy > 0 else math.nan,
+            "idle_gap_ms": idle.stats_ms()}
 
 
 def fetch_text(url: str, timeout: float = 5.0) -> str:
@@ -172,4 +207,10 @@ def table(section: dict) -> str:
     client, gap = section["client_audible_ttfa_ms"], section["client_minus_server_ms"]
     lines.append(f"  client audible TTFA ({client['count']} heard): p50 {client['p50']:.2f}, mean "
                  f"{client['mean']:.2f}; minus the server's: p50 {gap['p50']:.2f}, mean {gap['mean']:.2f}")
+    loop = section.get("engine_loop")
+    if loop:
+        g = loop["idle_gap_ms"]
+        lines.append(f"  engine loop: {loop['steps']} steps, host {loop['host_ms_per_step']:.2f} ms a step; device "
+                     f"idle between steps {loop['idle_share'] * 100:.1f}% ({g['count']} gaps, mean {g['mean']:.3f}, "
+                     f"p50 {g['p50']:.3f}, p95 {g['p95']:.3f} ms)")
     return "\n".join(lines)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from engine.scheduler import Scheduler
 from engine.trace import Timeline
-from engine.types import EngineEvent, Stage, StageStats
+from engine.types import EngineEvent, LoopStats, Stage, StageStats
 
 if TYPE_CHECKING:  # the loop itself needs no torch: the simulator drives it with a simulated runner
     from engine.runner import Pending, Runner
@@ -58,6 +58,7 @@ class EngineCore:
         self.wake = threading.Event()
         self.in_flight: Pending | None = None
         self.stage_stats: dict[str, StageStats] = {}  # stage name -> cumulative counters
+        self.loop_stats = LoopStats()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.crashed: BaseException | None = None
@@ -85,11 +86,13 @@ class EngineCore:
             wait = self.in_flight_end - self.plan_lead_s - self.clock()
             if wait > 0:
                 self.sleep(wait)
+        planning_at = self.clock()
         with self.lock:
-            plan = self.scheduler.plan(self.clock())
+            plan = self.scheduler.plan(planning_at)
         self.last_plan = plan
         launched_at = self.clock()
         launched = self.runner.launch(plan) if plan is not None else None
+        self._count_host(planning_at, launched is not None)
         behind = self.in_flight is not None
         self._finish(self.in_flight)
         self.in_flight = launched
@@ -117,13 +120,15 @@ class EngineCore:
             if lane.name == "main" and lane.queue and self.plan_lead_s and lane.ends[-1] is not None \
                     and lane.ends[-1] - self.plan_lead_s > self.clock():
                 continue  # late planning, as with one lane
+            planning_at = self.clock()
             with self.lock:
-                plan = self.scheduler.plan(self.clock(), lane.name)
+                plan = self.scheduler.plan(planning_at, lane.name)
             if plan is None:
                 continue
             self.last_plan = plan
             launched_at = self.clock()
             lane.queue.append(self.runner.launch(plan))
+            self._count_host(planning_at, True)
             lane.launched += 1
             predicted = self._predicted_s(plan)
             start = launched_at if len(lane.queue) == 1 or lane.ends[-1] is None else max(launched_at, lane.ends[-1])
@@ -156,18 +161,26 @@ class EngineCore:
         self.wake.clear()
         self.wake.wait(seconds)
 
+    def _count_host(self, since: float, launched: bool) -> None:
+        """The engine thread's own time since `since` (planning, and the launch if one was made) counts as host."""
+        self.loop_stats.host_s += self.clock() - since
+        self.loop_stats.iterations += launched
+
     def _finish(self, pending: Pending | None) -> None:
         if pending is None:
             return
         result = self.runner.collect(pending)
         self._collected_at = self.clock()
         with self.lock:
-            events = self.scheduler.update(result, self.clock())
+            events = self.scheduler.update(result, self._collected_at)
         rows = [r.cid for r in pending.plan.rows]
         self.stage_stats.setdefault(result.stage.value, StageStats()).add(len(rows), result.elapsed_s)
+        if result.idle_before_s is not None:
+            self.loop_stats.add_idle(result.idle_before_s)
         self.timeline.step(result.stage.value, pending.started, result.elapsed_s, rows)
         if events:
             self.deliver(events)
+        self._count_host(self._collected_at, False)  # the bookkeeping after the collect's wait
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Drive the loop on the caller's thread until nothing is runnable (tests, tools)."""

@@ -332,7 +332,7 @@ class Engine:
         stages = {k: v.snapshot() for k, v in self.core.stage_stats.items()}
         return EngineStats(**vars(s), stages=stages, kv_cache_bytes=self.runner.kv_bytes,
                            open_contexts=len(self.contexts), max_slots=self.config.scheduler.max_slots,
-                           prefix_cache=self.runner.prefix_cache.stats())
+                           prefix_cache=self.runner.prefix_cache.stats(), loop=self.core.loop_stats.snapshot())
 
     def chrome_trace(self) -> str:
         return self.timeline.chrome_trace()

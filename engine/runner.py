@@ -184,6 +184,7 @@ class Runner:
         self.first_graphs = StageGraphs(self, cfg, lane="first") if graphs_on and self.lanes else None
         self.graph_failure: str | None = None
         self.debug_sync = cfg.debug_sync
+        self._last_end_event = None  # the end of the step collected last (one lane): the device's idle gap after it
 
     # ------------------------------------------------------------------ launch / collect
     def launch(self, plan: StagePlan) -> Pending:
@@ -272,6 +273,11 @@ class Runner:
             elapsed = pending.start_event.elapsed_time(pending.end_event) / 1e3
         plan, n = pending.plan, len(pending.plan.rows)
         result = StageResult(plan.stage, [r.rid for r in plan.rows], elapsed)
+        if pending.end_event is not None and self.streams is None:
+            # Both events have completed (this step's end was just waited for): reading them never waits.
+            if self._last_end_event is not None:
+                result.idle_before_s = max(0.0, self._last_end_event.elapsed_time(pending.start_event) / 1e3)
+            self._last_end_event = pending.end_event
         failed: list[str | None] = [pending.failed.get(i) for i in range(n)]
         merged: dict[str, list] = {}  # StepOutputs field -> per plan row, None where no part produced it
         for rows, outputs in pending.parts:

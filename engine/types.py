@@ -99,6 +99,9 @@ class StageResult:
     # CODEC / FIRST_AUDIO: per row float32 [chunk * 1920] (None: the row failed)
     pcm: list[np.ndarray | None] | None = None
     codes: list[np.ndarray | None] | None = None  # CODEC / FIRST_AUDIO: per row int64 [chunk, 16], its own chunk
+    # How long the device sat idle between the step collected before this one and this one's start: the host had not
+    # queued it yet (CUDA events, one lane; None on the CPU, with two lanes, or for the first step)
+    idle_before_s: float | None = None
 
 
 # ---------------------------------------------------------------------------------------------- events
@@ -182,6 +185,29 @@ class StageStats:
 
 
 @dataclass
+class LoopStats:
+    """The engine loop's own time (engine/core.py), cumulative: where a step's wall time goes besides the device's
+    work. Host time is the engine thread planning, launching and bookkeeping, without its waits (for the device, for
+    late planning); on a CPU a launch computes its step, so there it includes the model's work."""
+
+    BUCKETS_S: ClassVar[tuple[float, ...]] = (0.00005, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, float("inf"))
+
+    iterations: int = 0  # steps launched
+    host_s: float = 0.0  # planning + launching + bookkeeping, all steps
+    idle_s: float = 0.0  # device idle between consecutive steps (StageResult.idle_before_s), all steps
+    idle_gaps: int = 0  # steps whose idle gap was measured
+    idle_histogram: list[int] = field(default_factory=lambda: [0] * len(LoopStats.BUCKETS_S))  # gaps per bucket
+
+    def add_idle(self, seconds: float) -> None:
+        self.idle_s += seconds
+        self.idle_gaps += 1
+        self.idle_histogram[next(i for i, b in enumerate(self.BUCKETS_S) if seconds <= b)] += 1
+
+    def snapshot(self) -> LoopStats:
+        return LoopStats(self.iterations, self.host_s, self.idle_s, self.idle_gaps, list(self.idle_histogram))
+
+
+@dataclass
 class SchedulerStats:
     """The scheduler's counts now (Scheduler.stats)."""
 
@@ -219,6 +245,7 @@ class EngineStats(SchedulerStats):
     open_contexts: int  # EngineContext objects whose ContextDone has not been delivered
     max_slots: int = 0  # cache rows (the configured or the memory-derived number)
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    loop: LoopStats = field(default_factory=LoopStats)
 
 
 # ---------------------------------------------------------------------------------------------- readiness

@@ -43,6 +43,7 @@ FIRST_AUDIO_PHASES = (
     "send",  # -> handed to the socket (WebSocket) or to the ASGI send (HTTP)
 )
 ENGINE_STEP_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, math.inf)  # StageStats.BUCKETS_S
+LOOP_IDLE_BUCKETS_S = (0.00005, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, math.inf)  # LoopStats.BUCKETS_S
 
 
 class _Series:
@@ -205,12 +206,25 @@ def engine_families(s: EngineStats) -> list[Metric]:
     for stage, v in stages:
         batch.add_metric([stage], v.last_batch)
         rows.add_metric([stage], v.rows)
-        counts = list(v.histogram)
-        if len(counts) != len(ENGINE_STEP_BUCKETS_S):  # an engine with other buckets: none rather than a wrong one
-            continue
-        cumulative, total = [], 0
-        for bound, count in zip(ENGINE_STEP_BUCKETS_S, counts, strict=True):
-            total += count
-            cumulative.append((floatToGoString(bound), total))
-        steps.add_metric([stage], cumulative, sum_value=v.seconds)
-    return out + [depth, batch, rows, steps]
+        cumulative = _cumulative(ENGINE_STEP_BUCKETS_S, v.histogram)
+        if cumulative is not None:
+            steps.add_metric([stage], cumulative, sum_value=v.seconds)
+    loop = s.loop
+    idle = HistogramMetricFamily("voicelane_engine_device_idle_seconds", "Device idle between consecutive steps (the "
+                                 "host had not queued the next one yet; CUDA, one lane)")
+    cumulative = _cumulative(LOOP_IDLE_BUCKETS_S, loop.idle_histogram)
+    if cumulative is not None:
+        idle.add_metric([], cumulative, sum_value=loop.idle_s)
+    return out + [depth, batch, rows, steps, idle,
+                  CounterMetricFamily("voicelane_engine_iterations", "Steps the engine loop launched",
+                                      loop.iterations),
+                  CounterMetricFamily("voicelane_engine_host_seconds", "Engine thread time planning, launching and "
+                                      "bookkeeping steps, without its waits", loop.host_s)]
+
+
+def _cumulative(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, int]] | None:
+    """Per-bucket counts -> Prometheus' cumulative (le, count) pairs; None for an engine with other buckets (none
+    rather than a wrong one)."""
+    if len(counts) != len(bounds):
+        return None
+    return [(floatToGoString(bound), total) for bound, total in zip(bounds, itertools.accumulate(counts), strict=True)]

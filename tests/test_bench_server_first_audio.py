@@ -77,3 +77,38 @@ def test_a_failed_or_foreign_scrape_says_why():
 
 def test_the_phase_order_is_the_servers():
     assert PHASES == FIRST_AUDIO_PHASES
+
+
+def engine_scrape(steps: int, host_s: float, idle_per_bucket: list[int], idle_s: float, busy_s: float) -> str:
+    """What the server's /metrics says of its engine loop at one moment (rendered by the server's own code)."""
+    from engine import EngineStats, LoopStats, StageStats
+    from server.metrics import ServerMetrics
+
+    stats = EngineStats(contexts=0, requests=0, free_slots=1, waiting_first_audio=0, text_starved=0, queue_depth={},
+                        stages={"talker": StageStats(steps=steps, rows=steps, seconds=busy_s * 0.4,
+                                                     histogram=[steps] + [0] * 10),
+                                "codec": StageStats(steps=steps, rows=steps, seconds=busy_s * 0.6,
+                                                    histogram=[steps] + [0] * 10)},
+                        kv_cache_bytes=0, open_contexts=0,
+                        loop=LoopStats(steps, host_s, idle_s, sum(idle_per_bucket), idle_per_bucket))
+    return ServerMetrics().render(stats, {"model": "m", "random_weights": "true"}, {"ready": True})
+
+
+def test_the_engine_loop_over_the_window_is_the_difference_of_its_counters():
+    """Steps, host time per step, busy and idle device time and the idle gaps' distribution come from the counters'
+    and histograms' differences between the two scrapes; a server without these series gives none."""
+    start = engine_scrape(100, 0.05, [10, 0, 0, 0, 0, 0, 0, 0], 0.0002, busy_s=0.3)
+    end = engine_scrape(300, 0.25, [110, 50, 40, 0, 0, 0, 0, 0], 0.0002 + 0.019, busy_s=0.9)
+    nobody = {"count": 0, "p50": math.nan, "mean": math.nan}
+    ttfa_start, ttfa_end = exposition({}, ([1, 0, 0, 0], 0.001)), exposition({}, ([2, 0, 0, 0], 0.002))
+    out = breakdown(start + ttfa_start, end + ttfa_end, "http", nobody)
+    loop = out["engine_loop"]
+    assert loop["steps"] == 200 and loop["host_ms_per_step"] == pytest.approx(1.0)
+    assert loop["busy_ms"] == pytest.approx(600.0) and loop["idle_ms"] == pytest.approx(19.0)
+    assert loop["idle_share"] == pytest.approx(19.0 / 619.0)
+    gaps = loop["idle_gap_ms"]
+    assert gaps["count"] == 190 and gaps["mean"] == pytest.approx(0.1)
+    assert gaps["p50"] == pytest.approx(0.05 * 95 / 100)  # inside the first bucket (0, 50 us]
+    assert gaps["p95"] == pytest.approx(0.2 + 0.3 * (180.5 - 150) / 40)  # inside (200, 500] us
+    assert "engine loop: 200 steps, host 1.00 ms a step; device idle between steps 3.1%" in table(out)
+    assert breakdown(ttfa_start, ttfa_end, "http", nobody)["engine_loop"] is None

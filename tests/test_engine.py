@@ -363,7 +363,8 @@ def test_the_first_audio_chain_runs_three_steps_as_one_and_changes_nothing_they_
     codes and audio as with three steps; a context whose prefill fails takes no sibling of its chained batch down.
     On a GPU (VOICELANE_TEST_DEVICE=cuda) the three stages' graphs replay back to back. (max_step_s off: a CPU's
     chain is longer than a short step, which would turn chaining off.)"""
-    three, failed_three, engine_three = run_staggered(tiny_model, 0.02, pairs=True, broken=True, max_step_s=0)
+    three, failed_three, engine_three = run_staggered(tiny_model, 0.02, pairs=True, broken=True, max_step_s=0,
+                                                      first_audio_chain=False, collect_first_audio_at_once=False)
     one, failed_one, engine_one = run_staggered(tiny_model, 0.02, pairs=True, broken=True, max_step_s=0,
                                                 first_audio_chain=True)
     stages_three, stages_one = engine_three.stats().stages, engine_one.stats().stages
@@ -380,6 +381,9 @@ def test_the_first_audio_chain_runs_three_steps_as_one_and_changes_nothing_they_
         assert first.first_frame == 0 and len(first.codes) == 1  # the chain's chunk: frame 0 alone
         times = first.first_audio
         assert times.prefill_planned == times.code_predictor_planned == times.codec_planned <= times.collected
+    loop = engine_one.stats().loop  # the loop's accounting: device idle gaps are measured on a GPU only
+    assert loop.iterations >= sum(v.steps for v in stages_one.values()) and loop.host_s > 0
+    assert (loop.idle_gaps > 0) == (tiny_model.device.type == "cuda")
 
 
 def test_a_dead_engine_loop_ends_every_context(tiny_model):

@@ -4,8 +4,14 @@ parsed back with the client library's own parser."""
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import EngineStats, FirstAudioTimes, PrefixCacheStats, StageStats
-from server.metrics import ENGINE_STEP_BUCKETS_S, FIRST_AUDIO_PHASES, ServerMetrics, first_audio_phases
+from engine import EngineStats, FirstAudioTimes, LoopStats, PrefixCacheStats, StageStats
+from server.metrics import (
+    ENGINE_STEP_BUCKETS_S,
+    FIRST_AUDIO_PHASES,
+    LOOP_IDLE_BUCKETS_S,
+    ServerMetrics,
+    first_audio_phases,
+)
 
 
 def samples(text: str) -> dict[tuple, float]:
@@ -21,6 +27,8 @@ ENGINE_STATS = EngineStats(
     kv_cache_bytes=4096, open_contexts=2, max_slots=128,
     prefix_cache=PrefixCacheStats(hits=7, misses=3, evictions=1, invalidations=0, entries=2, bytes=2048,
                                   max_entries=256, max_bytes=1 << 28),
+    loop=LoopStats(iterations=40, host_s=0.012, idle_s=0.0031, idle_gaps=39,
+                   idle_histogram=[30, 5, 2, 1, 1, 0, 0, 0]),
 )
 
 
@@ -82,6 +90,14 @@ def test_engine_series_from_stats():
     assert s[(step + "_count", (("stage", "talker"),))] == 4
     assert s[(step + "_sum", (("stage", "talker"),))] == 0.5
     assert len(ENGINE_STATS.stages["talker"].histogram) == len(ENGINE_STEP_BUCKETS_S) == len(StageStats.BUCKETS_S)
+    assert s[("voicelane_engine_iterations_total", ())] == 40
+    assert s[("voicelane_engine_host_seconds_total", ())] == 0.012
+    idle = "voicelane_engine_device_idle_seconds"
+    assert s[(idle + "_bucket", (("le", "5e-05"),))] == 30
+    assert s[(idle + "_bucket", (("le", "0.0005"),))] == 37
+    assert s[(idle + "_bucket", (("le", "+Inf"),))] == 39 == s[(idle + "_count", ())]
+    assert s[(idle + "_sum", ())] == 0.0031
+    assert list(LOOP_IDLE_BUCKETS_S) == list(LoopStats.BUCKETS_S)
 
 
 def test_two_servers_in_one_process_count_apart():

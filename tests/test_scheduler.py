@@ -600,3 +600,28 @@ def test_a_step_making_first_audio_is_collected_before_the_next_launch_when_aske
     assert first - making == (1 if at_once else 2)
     later = [i for i, x in enumerate(log) if x[0] == "audio" and x[2] > 0]
     assert later and all(log[i - 1][0] == "launch" for i in later)  # the rest one step late
+
+
+def test_the_loop_counts_its_host_time_and_the_devices_idle_gaps():
+    """LoopStats: every launched step counts as an iteration; the engine thread's planning, launching and
+    bookkeeping count as host time (the fake launch takes step_s of the fake clock, nothing else takes any); the
+    idle gaps the runner measured before each collected step add up, in the histogram's buckets."""
+    sched, core, runner, clock, emitted = make(three_steps(max_slots=16))
+    collect = runner.collect
+    gaps = iter([0.00001, 0.0003, 0.004] * 1000)
+
+    def collect_with_gap(pending):
+        result = collect(pending)
+        result.idle_before_s = next(gaps)
+        return result
+
+    runner.collect = collect_with_gap
+    open_ctx(sched, clock, max_frames=5)
+    core.run_until_idle()
+    loop = core.loop_stats
+    n = len(runner.plans)
+    assert loop.iterations == n and loop.host_s == pytest.approx(n * runner.step_s)
+    assert loop.idle_gaps == n and sum(loop.idle_histogram) == n
+    per_gap = [sum(1 for i in range(n) if i % 3 == k) for k in range(3)]  # 10 us, 300 us and 4 ms gaps
+    assert [loop.idle_histogram[i] for i in (0, 2, 5)] == per_gap
+    assert loop.idle_s == pytest.approx(sum([0.00001, 0.0003, 0.004][i % 3] for i in range(n)))
