@@ -83,7 +83,8 @@ def test_profile_stages_measures_the_codec_in_every_layout(tmp_path):
           "--cached-lens", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert sorted(r["codec_layout"] for r in rows if r["stage"] == "codec") == ["channels_last", "contiguous"]
-    assert sorted(r["stage"] for r in rows if r["stage"] != "codec") == ["code_predictor", "prefill", "talker"]
+    assert sorted(r["stage"] for r in rows if r["stage"] != "codec") == ["code_predictor", "first_audio", "prefill",
+                                                                       "talker"]
 
 
 def test_synthesize_caps_random_weights_by_words(tmp_path):
