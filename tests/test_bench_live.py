@@ -52,6 +52,9 @@ def _check(point: dict, frames_per_word: int, max_frames: int = 64) -> None:
     assert server["ttfa_ms"]["count"] >= 1 and list(server["phases_ms"]) == list(PHASES)
     assert {p["count"] for p in server["phases_ms"].values()} == {server["ttfa_ms"]["count"]}
     assert sum(p["mean"] for p in server["phases_ms"].values()) == pytest.approx(server["ttfa_ms"]["mean"], abs=0.01)
+    loop = server["engine_loop"]  # the engine loop over the window: steps ran, host time; no CUDA idle gaps here
+    assert loop["steps"] > 0 and loop["host_ms_per_step"] > 0 and loop["busy_ms"] > 0
+    assert loop["idle_gap_ms"]["count"] == 0
 
 
 def test_live_w1_http(server):
