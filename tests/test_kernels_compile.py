@@ -69,6 +69,9 @@ def compile_attention(dtype: str) -> None:
                  {"G": 2, "D": 128, "BLOCK_M": block_m, "BLOCK_N": 64, "SPLITS": splits, "HAS_VALID": valid,
                   "IEEE": dtype == "fp32", "INTERPRET": False}, partials)
     _compile(attention._combine_splits_kernel, dtype, {"G": 2, "D": 128, "BLOCK_M": 16, "SPLITS": 16}, partials)
+    for block_t in (2, 4):  # the Code Predictor's one launch a layer: its first forward (two tokens) and the rest
+        _compile(attention._short_attention_kernel, dtype,
+                 {"G": 2, "D": 128, "BLOCK_M": 16, "BLOCK_T": block_t, "BLOCK_N": 16, "IEEE": dtype == "fp32"}, ints)
 
 
 def compile_linear(dtype: str) -> None:

@@ -44,9 +44,12 @@ def _greedy(model, frames: int) -> dict[int, torch.Tensor]:
     return {r: torch.stack(c) for r, c in codes.items()}
 
 
-@pytest.mark.parametrize("linear", ["cublas", "triton"])  # F.linear, or the skinny kernel for every decode GEMM
-def test_greedy_codes_identical_on_both_paths(model, linear, monkeypatch):
+@pytest.mark.parametrize(("linear", "short"), [("cublas", "off"), ("triton", "off"), ("cublas", "on")])
+def test_greedy_codes_identical_on_both_paths(model, linear, short, monkeypatch):
+    """linear: F.linear, or the skinny kernel for every decode GEMM; short: the Code Predictor's attention in one
+    launch a layer (short_attention) or two."""
     monkeypatch.setenv("VOICELANE_LINEAR", linear)
+    monkeypatch.setenv("VOICELANE_SHORT_ATTENTION", short)
     with kernels.backend("torch"):
         reference = _greedy(model, 2)
     with kernels.backend("triton"):

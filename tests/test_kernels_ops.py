@@ -97,6 +97,58 @@ def test_qk_norm_rope_store_matches_reference(dtype, case):
     assert torch.equal(caches[1], ref_caches[1])  # values are copied as they are
 
 
+SHORT_CASES = [  # B, T, H, Hkv, D, slots, cache length: the Code Predictor's shapes, smaller heads
+    (1, 2, 4, 2, 32, 3, 16),  # its first forward: positions 0 and 1
+    (3, 1, 4, 2, 32, 5, 16),  # a later forward, rows at different positions
+    (2, 1, 8, 2, 16, 2, 16),  # G = 4
+    (2, 2, 4, 4, 16, 4, 64),  # no grouping, the largest cache it takes
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", SHORT_CASES)
+def test_short_attention_equals_its_two_launches_and_the_reference(dtype, case):
+    """One launch (norms, RoPE, the cache store and attention over a short cache) against qk_norm_rope_store then
+    cache_attention, and against the PyTorch path: the same output and the same caches, written where they should
+    be and nowhere else; columns past each row's position are never read."""
+    B, T, H, Hkv, D, S, L = case
+    g = torch.Generator().manual_seed(B * 10 + T + L)
+    slots = torch.randperm(S, generator=g)[:B]
+    start = torch.randint(0, L - T + 1, (B, 1), generator=g)
+    start[0] = L - T  # the last column
+    positions = start + torch.arange(T)
+    q, k, v, (qw, kw), cos, sin = _layer_inputs(g, B, T, H, Hkv, D, dtype, positions)
+    caches = [torch.randn(S, Hkv, L, D, generator=g).to(dtype) for _ in range(2)]
+    two, ref = [c.clone() for c in caches], [c.clone() for c in caches]
+    unread = [_poison_unread(c, slots, positions) for c in caches]  # NaN past each row's new columns
+    got = ka.short_attention(q, k, v, qw, kw, 1e-6, cos, sin, *unread, slots, positions)
+    rotated = ka.qk_norm_rope_store(q, k, v, qw, kw, 1e-6, cos, sin, *two, slots, positions)
+    want = ka.cache_attention(rotated, *two, slots, positions)
+    rotated_ref = ka.qk_norm_rope_store_reference(q, k, v, qw, kw, 1e-6, cos, sin, *ref, slots, positions)
+    reference = ka.cache_attention_reference(rotated_ref, *ref, slots, positions)
+    assert got.shape == (B, T, H, D) and not got.isnan().any()
+    _close(got, want, dtype)
+    _close(got, reference, dtype)
+    for ours, theirs in zip(unread, two, strict=True):  # the new columns as the two launches wrote them
+        for b, slot in enumerate(slots.tolist()):
+            cols = positions[b]
+            _close(ours[slot, :, cols], theirs[slot, :, cols], dtype)
+
+
+def test_short_attention_takes_short_caches_only_when_switched_on(monkeypatch):
+    short, long = torch.zeros(4, 2, 16, 32), torch.zeros(4, 2, 65, 32)
+    monkeypatch.delenv(ka.SHORT_ATTENTION_ENV, raising=False)
+    assert not ka.short_attention_fits(short, 1, 4, None)  # off until measured on the H200
+    monkeypatch.setenv(ka.SHORT_ATTENTION_ENV, "on")
+    assert ka.short_attention_fits(short, 2, 4, None)
+    assert not ka.short_attention_fits(long, 1, 4, None)  # the Talker's cache: two launches, split columns
+    assert not ka.short_attention_fits(short, 2, 4, torch.ones(1, dtype=torch.int64))  # a right-padded prefill
+    assert kernels.kernels_status()["short_attention"]["on"] is True
+    monkeypatch.setenv(ka.SHORT_ATTENTION_ENV, "fast")
+    with pytest.raises(ValueError, match="VOICELANE_SHORT_ATTENTION"):
+        ka.short_attention_on()
+
+
 def _attention_case(g, B, T, H, Hkv, D, S, L, dtype):
     q = torch.randn(B, T, H, D, generator=g).to(dtype)
     k_cache = torch.randn(S, Hkv, L, D, generator=g).to(dtype)

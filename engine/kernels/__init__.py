@@ -119,5 +119,9 @@ def kernels_status() -> dict:
         from engine.kernels import linear
 
         status |= linear.kernels_status()
+        from engine.kernels.attention import SHORT_ATTENTION_ENV, short_attention_on
+
+        # the Code Predictor's attention: one launch a layer, or two (qk_norm_rope_store, cache_attention)
+        status["short_attention"] = {"on": short_attention_on(), "switch": SHORT_ATTENTION_ENV}
     status["pdl"] = pdl_status()
     return status

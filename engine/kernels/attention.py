@@ -322,6 +322,130 @@ def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, 
     return out
 
 
+# ---------------------------------------------------------------------------------------------- short caches
+# The Code Predictor's cache holds 16 columns: its two launches per layer (above) become one, which norms, rotates
+# and stores its kv head's new keys and values, norms and rotates the G query heads' rows in registers, and attends
+# over the one column block. Off until the H200 measures it against the two launches (SHORT_ATTENTION_ENV).
+SHORT_ATTENTION_ENV = "VOICELANE_SHORT_ATTENTION"
+SHORT_COLUMNS = 64  # caches of at most this many columns: one block
+
+
+def short_attention_on() -> bool:
+    value = os.environ.get(SHORT_ATTENTION_ENV, "off").strip().lower()
+    if value not in ("on", "off"):
+        raise ValueError(f"{SHORT_ATTENTION_ENV}={value!r}: choose on or off")
+    return value == "on"
+
+
+@triton.jit
+def _norm_rope_rows(x, x_rolled, w, w_rolled, cos, sin, eps, D: tl.constexpr):
+    """Rows [M, D]: per-row RMSNorm with weight w, then NeoX RoPE (x * cos + rotate-half(x) * signed sin), rounded
+    as _qk_norm_rope_store_kernel rounds them; x_rolled and w_rolled are x and w with their halves swapped."""
+    dtype = x.dtype
+    f = x.to(tl.float32)
+    f_rolled = x_rolled.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(f * f, axis=1) / D + eps)[:, None]
+    y = (w * (f * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    y_rolled = (w_rolled * (f_rolled * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return ((y * cos).to(dtype).to(tl.float32) + (y_rolled * sin).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _trig_rows(ptr, row_base, t, s_t, ok, d):
+    """The RoPE table's rows of tokens t ([M] -> [M, D] float32; rows not ok read 0)."""
+    return tl.load(ptr + row_base + t[:, None] * s_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _short_attention_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, out_ptr,
+                            slots_ptr, pos_ptr, T, eps, scale,
+                            s_qb, s_qt, s_kb, s_kt, s_vb, s_vt, s_cb, s_ct, s_sb, s_st, s_ob, s_ot, s_oh,
+                            s_cs, s_ch, s_cl, s_pb, s_pt,
+                            G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+                            BLOCK_N: tl.constexpr, IEEE: tl.constexpr, GDC: tl.constexpr):
+    wait_inputs(GDC)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    d = tl.arange(0, D)
+    rolled = (d + D // 2) % D
+    base = tl.load(slots_ptr + b) * s_cs + kvh * s_ch
+    # This kv head's new keys (normed, rotated) and values into the cache at their positions.
+    tt = tl.arange(0, BLOCK_T)
+    t_ok = tt < T
+    at = base + tl.load(pos_ptr + b * s_pb + tt * s_pt, mask=t_ok, other=0)[:, None] * s_cl + d[None, :]
+    src = k_ptr + b * s_kb + tt[:, None] * s_kt + kvh * D
+    keys = _norm_rope_rows(tl.load(src + d[None, :], mask=t_ok[:, None], other=0.0),
+                           tl.load(src + rolled[None, :], mask=t_ok[:, None], other=0.0),
+                           tl.load(kw_ptr + d).to(tl.float32)[None, :],
+                           tl.load(kw_ptr + rolled).to(tl.float32)[None, :],
+                           _trig_rows(cos_ptr, b * s_cb, tt, s_ct, t_ok, d),
+                           _trig_rows(sin_ptr, b * s_sb, tt, s_st, t_ok, d), eps, D)
+    tl.store(kc_ptr + at, keys, mask=t_ok[:, None])
+    values = tl.load(v_ptr + b * s_vb + tt[:, None] * s_vt + kvh * D + d[None, :], mask=t_ok[:, None], other=0.0)
+    tl.store(vc_ptr + at, values, mask=t_ok[:, None])
+    # Its G query heads' rows (t * G + g), normed and rotated in registers.
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < T * G
+    t = rows // G
+    head = kvh * G + rows % G
+    src = q_ptr + b * s_qb + t[:, None] * s_qt + head[:, None] * D
+    q = _norm_rope_rows(tl.load(src + d[None, :], mask=row_ok[:, None], other=0.0),
+                        tl.load(src + rolled[None, :], mask=row_ok[:, None], other=0.0),
+                        tl.load(qw_ptr + d).to(tl.float32)[None, :],
+                        tl.load(qw_ptr + rolled).to(tl.float32)[None, :],
+                        _trig_rows(cos_ptr, b * s_cb, t, s_ct, row_ok, d),
+                        _trig_rows(sin_ptr, b * s_sb, t, s_st, row_ok, d), eps, D)
+    limit = (tl.load(pos_ptr + b * s_pb + t * s_pt, mask=row_ok, other=-1) + 1).to(tl.int32)
+    limit = tl.where(row_ok, limit, 0)
+    tl.debug_barrier()  # the keys and values stored above are read below, by other threads of this program
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, base, 0, tl.max(limit, axis=0), limit, s_cl, scale, m_i, l_i,
+                                  acc, D, BLOCK_N, IEEE)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + b * s_ob + t[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def short_attention_fits(k_cache: Tensor, T: int, H: int, valid_len: Tensor | None) -> bool:
+    """Does short_attention take this call: a cache of at most SHORT_COLUMNS columns (the Code Predictor's), a
+    query block of one tile, no right padding, and the switch on?"""
+    Hkv = k_cache.shape[1]
+    return (valid_len is None and k_cache.shape[2] <= SHORT_COLUMNS and H % Hkv == 0 and T * (H // Hkv) <= 64
+            and short_attention_on())
+
+
+def short_attention(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos: Tensor,
+                    sin_signed: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+                    positions: Tensor) -> Tensor:
+    """qk_norm_rope_store then cache_attention in one launch, for a cache of at most SHORT_COLUMNS columns: the same
+    arguments as qk_norm_rope_store; returns the attention output [B, T, H, D] (cache_attention's)."""
+    B, T, HD = q.shape
+    D = cos.shape[-1]
+    H, Hkv = HD // D, k.shape[-1] // D
+    _check_cache(k_cache, v_cache, D)
+    G = H // Hkv if Hkv else 0
+    if (D % 2 or D & (D - 1) or D < 16 or k_cache.shape[1] != Hkv or v.shape[-1] != k.shape[-1] or H % Hkv
+            or T * G > 64 or k_cache.shape[2] > SHORT_COLUMNS):
+        raise ValueError(f"short_attention: head_dim {D}, q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"cache {tuple(k_cache.shape)} do not fit (at most {SHORT_COLUMNS} columns, 64 query rows)")
+    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin_signed)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"short_attention: {name} needs a unit last stride, got {t.stride()}")
+    out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
+    _short_attention_kernel[(B, Hkv)](
+        q, k, v, q_weight, k_weight, cos, sin_signed, k_cache, v_cache, out, slots, positions, T, eps, D**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), cos.stride(1), sin_signed.stride(0), sin_signed.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), positions.stride(0), positions.stride(1),
+        G=G, D=D, BLOCK_M=max(16, triton.next_power_of_2(T * G)), BLOCK_T=max(2, triton.next_power_of_2(T)),
+        BLOCK_N=max(16, triton.next_power_of_2(k_cache.shape[2])), IEEE=q.dtype == torch.float32, num_warps=4,
+        **launch_options(q.device))
+    return out
+
+
 def cache_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor,
                               valid_len: Tensor | None = None, kv_len: int | None = None) -> Tensor:
     """The PyTorch path (gathered keys and values, a mask, engine.model.attention_ops.attention); same contract.

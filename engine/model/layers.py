@@ -206,9 +206,12 @@ class Attention(nn.Module):
         if kernels.use_triton(x.device):
             from engine.kernels import attention as fused
 
-            q = fused.qk_norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, batch.cos,
-                                         batch.sin_signed, k_cache, v_cache, batch.slots, batch.positions)
-            out = fused.cache_attention(q, k_cache, v_cache, batch.slots, batch.positions, batch.valid_len)
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, batch.cos, batch.sin_signed)
+            if fused.short_attention_fits(k_cache, T, self.num_heads, batch.valid_len):  # the Code Predictor's
+                out = fused.short_attention(q, k, v, *norms, k_cache, v_cache, batch.slots, batch.positions)
+            else:
+                q = fused.qk_norm_rope_store(q, k, v, *norms, k_cache, v_cache, batch.slots, batch.positions)
+                out = fused.cache_attention(q, k_cache, v_cache, batch.slots, batch.positions, batch.valid_len)
             return dense(out.view(B, T, -1), self.o_proj.weight)  # [B, T, H, D] -> [B, T, H * D]
         q = self.q_norm(q.view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)

@@ -153,11 +153,25 @@ def kernel_checks(config, sizes: Sizes, time_it: bool) -> list[dict]:
             def with_cache(fn):
                 # Compare the rotated q and the two caches it wrote (every column, so stray writes count too).
                 def run(*args):
-                    return fn(*args), args[9], args[10]
+                    return fn(*args), args[8], args[9]
                 return run
 
             checks.case("qk_norm_rope_store", f"{name} B{B} T{T}", dtype, with_cache(ka.qk_norm_rope_store),
                         with_cache(ka.qk_norm_rope_store_reference), fresh)
+
+        def short(*args):  # one launch: the attention output and the two caches it wrote
+            return ka.short_attention(*args), args[8], args[9]
+
+        def short_reference(*args):
+            rotated = ka.qk_norm_rope_store_reference(*args)
+            return ka.cache_attention_reference(rotated, args[8], args[9], args[10], args[11]), args[8], args[9]
+
+        for B, T in ((1, 2), (big, 2), (1, 1), (big, 1)):  # the Code Predictor's first forward and a later one
+            start = torch.zeros(B, dtype=torch.int64, device=DEVICE) if T == 2 else with_start(B, cp_len, 1)
+            base = layer(B, T, CODE_PREDICTOR, cp_len, B + 1, start)
+            checks.case("short_attention", f"code predictor B{B} T{T}", dtype, short, short_reference,
+                        lambda base=base: [a.clone() if isinstance(a, torch.Tensor) and a.dim() == 4 else a
+                                           for a in base])
 
         def attention_case(name, B, T, geo, L, positions, valid_len=None, dtype=dtype):
             H, Hkv, D = geo["H"], geo["Hkv"], geo["D"]
