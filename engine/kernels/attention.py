@@ -351,9 +351,17 @@ def _norm_rope_rows(x, x_rolled, w, w_rolled, cos, sin, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _trig_rows(ptr, row_base, t, s_t, ok, d):
-    """The RoPE table's rows of tokens t ([M] -> [M, D] float32; rows not ok read 0)."""
-    return tl.load(ptr + row_base + t[:, None] * s_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+def _load_norm_rope(src, ok, w_ptr, cos_ptr, sin_ptr, t, s_ct, s_st, eps, D: tl.constexpr):
+    """M rows of one head each (src [M, 1]: where each row's D values start; rows not ok read 0), tokens t [M]:
+    loaded, normed with weight w_ptr and rotated with the batch row's RoPE tables (cos_ptr, sin_ptr) -> [M, D]."""
+    d = tl.arange(0, D)
+    rolled = (d + D // 2) % D
+    cos = tl.load(cos_ptr + t[:, None] * s_ct + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t[:, None] * s_st + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    return _norm_rope_rows(tl.load(src + d[None, :], mask=ok[:, None], other=0.0),
+                           tl.load(src + rolled[None, :], mask=ok[:, None], other=0.0),
+                           tl.load(w_ptr + d).to(tl.float32)[None, :], tl.load(w_ptr + rolled).to(tl.float32)[None, :],
+                           cos, sin, eps, D)
 
 
 @triton.jit
@@ -367,19 +375,13 @@ def _short_attention_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_pt
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     d = tl.arange(0, D)
-    rolled = (d + D // 2) % D
     base = tl.load(slots_ptr + b) * s_cs + kvh * s_ch
     # This kv head's new keys (normed, rotated) and values into the cache at their positions.
     tt = tl.arange(0, BLOCK_T)
     t_ok = tt < T
     at = base + tl.load(pos_ptr + b * s_pb + tt * s_pt, mask=t_ok, other=0)[:, None] * s_cl + d[None, :]
-    src = k_ptr + b * s_kb + tt[:, None] * s_kt + kvh * D
-    keys = _norm_rope_rows(tl.load(src + d[None, :], mask=t_ok[:, None], other=0.0),
-                           tl.load(src + rolled[None, :], mask=t_ok[:, None], other=0.0),
-                           tl.load(kw_ptr + d).to(tl.float32)[None, :],
-                           tl.load(kw_ptr + rolled).to(tl.float32)[None, :],
-                           _trig_rows(cos_ptr, b * s_cb, tt, s_ct, t_ok, d),
-                           _trig_rows(sin_ptr, b * s_sb, tt, s_st, t_ok, d), eps, D)
+    keys = _load_norm_rope(k_ptr + b * s_kb + tt[:, None] * s_kt + kvh * D, t_ok, kw_ptr, cos_ptr + b * s_cb,
+                           sin_ptr + b * s_sb, tt, s_ct, s_st, eps, D)
     tl.store(kc_ptr + at, keys, mask=t_ok[:, None])
     values = tl.load(v_ptr + b * s_vb + tt[:, None] * s_vt + kvh * D + d[None, :], mask=t_ok[:, None], other=0.0)
     tl.store(vc_ptr + at, values, mask=t_ok[:, None])
@@ -388,13 +390,8 @@ def _short_attention_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_pt
     row_ok = rows < T * G
     t = rows // G
     head = kvh * G + rows % G
-    src = q_ptr + b * s_qb + t[:, None] * s_qt + head[:, None] * D
-    q = _norm_rope_rows(tl.load(src + d[None, :], mask=row_ok[:, None], other=0.0),
-                        tl.load(src + rolled[None, :], mask=row_ok[:, None], other=0.0),
-                        tl.load(qw_ptr + d).to(tl.float32)[None, :],
-                        tl.load(qw_ptr + rolled).to(tl.float32)[None, :],
-                        _trig_rows(cos_ptr, b * s_cb, t, s_ct, row_ok, d),
-                        _trig_rows(sin_ptr, b * s_sb, t, s_st, row_ok, d), eps, D)
+    q = _load_norm_rope(q_ptr + b * s_qb + t[:, None] * s_qt + head[:, None] * D, row_ok, qw_ptr, cos_ptr + b * s_cb,
+                        sin_ptr + b * s_sb, t, s_ct, s_st, eps, D)
     limit = (tl.load(pos_ptr + b * s_pb + t * s_pt, mask=row_ok, other=-1) + 1).to(tl.int32)
     limit = tl.where(row_ok, limit, 0)
     tl.debug_barrier()  # the keys and values stored above are read below, by other threads of this program
