@@ -10,6 +10,9 @@ Two launches per layer:
   The G query heads of a kv head share one program and one read of each key block (GQA); scores and the
   online softmax are fp32, probabilities are rounded to the activation dtype before the value product.
 
+For a cache of at most SHORT_COLUMNS columns (the Code Predictor's 16), `short_attention` does both in one launch
+per layer, behind VOICELANE_SHORT_ATTENTION (off until measured on the H200).
+
 Fixed shapes, no host synchronisation, loop lengths read on the device: both are CUDA-graph capturable.
 """
 
