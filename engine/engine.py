@@ -228,7 +228,14 @@ class Engine:
         return Readiness(model_loaded=True, warmed_up=self.warmed_up, engine_running=self.core.crashed is None,
                          device=str(self.loaded.device), dtype=str(self.loaded.dtype).replace("torch.", ""),
                          cuda_graphs=graphs, triton_kernels=self._kernels_report(),
-                         random_weights=self.loaded.random_weights, first_audio_lane=self._lane_report())
+                         random_weights=self.loaded.random_weights, first_audio_lane=self._lane_report(),
+                         first_audio_chain=self._chain_report())
+
+    def _chain_report(self) -> FastPath:
+        if not self.config.scheduler.first_audio_chain:
+            return FastPath(False, "off (--first-audio-chain): a segment starts with three steps")
+        why = self.scheduler.chain_gave_way
+        return FastPath(why is None, why)
 
     def _lane_report(self) -> FastPath:
         runner = self.runner

@@ -21,6 +21,7 @@ Plain Python, no torch, clock passed in. The policy (docs/engine.md, Policy):
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 
 import numpy as np
@@ -43,6 +44,7 @@ from engine.types import (
     StageResult,
 )
 
+log = logging.getLogger("voicelane.scheduler")
 SAMPLE_RATE = 24000
 STARVATION_S = 1.0  # a runnable request not served for this long is treated as urgent
 # Throughput mode breaks ties towards finishing work already in flight.
@@ -73,6 +75,7 @@ class Scheduler:
         # nothing planned then starts before it ends.
         self._in_flight_s = 0.0
         self.outbox: list[EngineEvent] = []  # events not yet handed to the engine, in order
+        self.chain_gave_way: str | None = None  # first_audio_chain on but not chaining now: why
 
     # ------------------------------------------------------------------ context operations
     def open_context(self, voice: Voice, sampling: SamplingParams, now: float, *, layout: str = "dual",
@@ -252,7 +255,17 @@ class Scheduler:
         chain = self.costs.step_s(Stage.FIRST_AUDIO, 1)
         if chain is None:  # measured as three steps so far (or not at all)
             chain = self._newcomer_chain_s(1, Stage.PREFILL)
-        return chain is None or not self.cfg.max_step_s or chain <= self.cfg.max_step_s
+        chaining = chain is None or not self.cfg.max_step_s or chain <= self.cfg.max_step_s
+        if chaining == (self.chain_gave_way is not None):  # it changed: said in the log and in /ready
+            if chaining:
+                log.info("first-audio chain back on (predicted %s)",
+                         "nothing: costs unmeasured" if chain is None else f"{chain * 1e3:.1f} ms")
+                self.chain_gave_way = None
+            else:
+                self.chain_gave_way = (f"gave way to three steps: the chain is predicted {chain * 1e3:.1f} ms, over "
+                                       f"max_step_s {self.cfg.max_step_s * 1e3:.0f} ms")
+                log.warning("first-audio chain %s", self.chain_gave_way)
+        return chaining
 
     def _newcomer_chain_s(self, n: int, start: Stage | None = None) -> float | None:
         """Device time from a newcomer's prefill to its first audio, n newcomers batched (None: not measured), as

@@ -285,12 +285,16 @@ class Readiness:
     random_weights: bool
     # the first-audio lane (newcomers on a stream of their own); None: not reported (the tests' fake engines)
     first_audio_lane: FastPath | None = None
+    # the first-audio chain (a segment's first three steps as one), and why not where it gave way; None: the same
+    first_audio_chain: FastPath | None = None
 
     def to_json(self) -> dict:
         out = asdict(self)
         out["cuda_graphs"], out["triton_kernels"] = self.cuda_graphs.to_json(), self.triton_kernels.to_json()
-        if self.first_audio_lane is None:
-            del out["first_audio_lane"]
-        else:
-            out["first_audio_lane"] = self.first_audio_lane.to_json()
+        for name in ("first_audio_lane", "first_audio_chain"):
+            path = getattr(self, name)
+            if path is None:
+                del out[name]
+            else:
+                out[name] = path.to_json()
         return out

@@ -368,6 +368,9 @@ def test_the_first_audio_chain_runs_three_steps_as_one_and_changes_nothing_they_
     one, failed_one, engine_one = run_staggered(tiny_model, 0.02, pairs=True, broken=True, max_step_s=0,
                                                 first_audio_chain=True)
     stages_three, stages_one = engine_three.stats().stages, engine_one.stats().stages
+    chain_off, chain_on = engine_three.readiness().first_audio_chain, engine_one.readiness().first_audio_chain
+    assert not chain_off.enabled and "off" in chain_off.reason and chain_on.enabled and chain_on.reason is None
+    assert engine_one.readiness().to_json()["first_audio_chain"] == {"enabled": True}
     assert "first_audio" not in stages_three and stages_three["prefill"].steps > 0
     # six contexts, the broken one and the warm-up's two utterances
     assert "prefill" not in stages_one and stages_one["first_audio"].rows == 9

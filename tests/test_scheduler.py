@@ -570,12 +570,16 @@ def test_the_chain_costs_newcomers_as_one_measured_step_and_gives_way_when_long(
     assert sched.chaining() and sched.predicted_first_audio_s(clock()) == pytest.approx(0.007)
     cid = open_ctx(sched, clock)
     assert sched.generation_stage(sched.segments[cid][0]) == Stage.FIRST_AUDIO
+    assert sched.chain_gave_way is None
     for _ in range(200):  # the chain turns out long: 30 ms
         sched.costs.observe(Stage.FIRST_AUDIO, 1, 0.030)
     assert not sched.chaining() and sched.generation_stage(sched.segments[cid][0]) == Stage.PREFILL
+    assert sched.chain_gave_way == "gave way to three steps: the chain is predicted 30.0 ms, over max_step_s 20 ms"
     parts = [sched.costs.rows_s(stage, 2, 1) for stage in (Stage.PREFILL, Stage.CODE_PREDICTOR, Stage.CODEC)]
     assert sched.predicted_first_audio_s(clock()) == pytest.approx(sum(parts))  # it and the one waiting
     assert sum(parts) < sched.costs.rows_s(Stage.FIRST_AUDIO, 2)
+    sched.costs.reset()  # (the engine's after its warm-up): unmeasured, it chains again, and says so
+    assert sched.chaining() and sched.chain_gave_way is None
 
 
 @pytest.mark.parametrize("chain", [False, True])

@@ -193,6 +193,9 @@ def test_discovery_endpoints(server):
     kernels = ready["triton_kernels"]  # what the fused kernels do here, and why: never a stale or silent answer
     assert kernels["enabled"] is False and kernels["reason"].startswith("CPU device")
     assert kernels["details"]["cuda_kernels"] in ("triton", "torch") and "pdl" in kernels["details"]
+    assert kernels["details"]["short_attention"] == {"on": False, "switch": "VOICELANE_SHORT_ATTENTION"}
+    chain = ready["first_audio_chain"]  # on by default; on a CPU it may have given way (a slow chain), and says why
+    assert chain["enabled"] or chain["reason"].startswith("gave way to three steps")
     status, _, data = http_get(server.http_url + "/")
     assert status == 200 and b"<html" in data.lower() or b"<!doctype" in data.lower()
     assert http_get(server.http_url + "/nope")[0] == 404
