@@ -8,14 +8,13 @@ engine series (queue depth, batch sizes, step times per stage, slots, the prompt
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterable, Iterator
 
 import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from engine import EngineStats, FirstAudioTimes
+from engine import EngineStats, FirstAudioTimes, LoopStats, StageStats
 
 # The hand-written exposition this replaced never had `*_created` series; dashboards and alerts know the names it
 # had, so the library is told not to add them (its documented switch; it reads this when it collects).
@@ -42,8 +41,9 @@ FIRST_AUDIO_PHASES = (
     "encode",  # -> the first packets ready (trim + encode, with the hop to the encoder pool where it runs there)
     "send",  # -> handed to the socket (WebSocket) or to the ASGI send (HTTP)
 )
-ENGINE_STEP_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, math.inf)  # StageStats.BUCKETS_S
-LOOP_IDLE_BUCKETS_S = (0.00005, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, math.inf)  # LoopStats.BUCKETS_S
+# The engine's own histograms count per bucket of these bounds: one definition, the engine's.
+ENGINE_STEP_BUCKETS_S = StageStats.BUCKETS_S
+LOOP_IDLE_BUCKETS_S = LoopStats.BUCKETS_S
 
 
 class _Series:

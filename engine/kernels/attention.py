@@ -98,6 +98,23 @@ def _check_cache(k_cache: Tensor, v_cache: Tensor, head_dim: int) -> None:
                          f"got {tuple(k_cache.shape)} strides {k_cache.stride()}")
 
 
+def _layer_shapes(kernel: str, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin_signed: Tensor, k_cache: Tensor,
+                  v_cache: Tensor) -> tuple[int, int, int, int, int]:
+    """One layer's new q, k, v and RoPE tables against its cache (qk_norm_rope_store's contract): (B, T, H, Hkv, D),
+    or a ValueError naming `kernel`."""
+    B, T, HD = q.shape
+    D = cos.shape[-1]
+    H, Hkv = HD // D, k.shape[-1] // D
+    _check_cache(k_cache, v_cache, D)
+    if D % 2 or k_cache.shape[1] != Hkv or v.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{kernel}: head_dim {D}, q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, cache {tuple(k_cache.shape)} do not fit together")
+    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin_signed)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{kernel}: {name} needs a unit last stride, got {t.stride()}")
+    return B, T, H, Hkv, D
+
+
 def qk_norm_rope_store(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos: Tensor,
                        sin_signed: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
                        positions: Tensor) -> Tensor:
@@ -105,16 +122,7 @@ def qk_norm_rope_store(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weig
     q_weight, k_weight [D]; cos, sin_signed [B, T, D]; k_cache, v_cache [S, Hkv, L, D] of one layer;
     slots [B]; positions [B, T]. Writes rotated k and v at cache[slots[b], :, positions[b, t]] and returns the
     normed, rotated q [B, T, H, D] (contiguous)."""
-    B, T, HD = q.shape
-    D = cos.shape[-1]
-    H, Hkv = HD // D, k.shape[-1] // D
-    _check_cache(k_cache, v_cache, D)
-    if D % 2 or k_cache.shape[1] != Hkv or v.shape[-1] != k.shape[-1]:
-        raise ValueError(f"qk_norm_rope_store: head_dim {D}, q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}, cache {tuple(k_cache.shape)} do not fit together")
-    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin_signed)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"qk_norm_rope_store: {name} needs a unit last stride, got {t.stride()}")
+    B, T, H, Hkv, D = _layer_shapes("qk_norm_rope_store", q, k, v, cos, sin_signed, k_cache, v_cache)
     q_out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
     half = D // 2
     _qk_norm_rope_store_kernel[(B * T, H + Hkv)](
@@ -421,18 +429,12 @@ def short_attention(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight:
                     positions: Tensor) -> Tensor:
     """qk_norm_rope_store then cache_attention in one launch, for a cache of at most SHORT_COLUMNS columns: the same
     arguments as qk_norm_rope_store; returns the attention output [B, T, H, D] (cache_attention's)."""
-    B, T, HD = q.shape
-    D = cos.shape[-1]
-    H, Hkv = HD // D, k.shape[-1] // D
-    _check_cache(k_cache, v_cache, D)
-    G = H // Hkv if Hkv else 0
-    if (D % 2 or D & (D - 1) or D < 16 or k_cache.shape[1] != Hkv or v.shape[-1] != k.shape[-1] or H % Hkv
-            or T * G > 64 or k_cache.shape[2] > SHORT_COLUMNS):
-        raise ValueError(f"short_attention: head_dim {D}, q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"cache {tuple(k_cache.shape)} do not fit (at most {SHORT_COLUMNS} columns, 64 query rows)")
-    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin_signed)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"short_attention: {name} needs a unit last stride, got {t.stride()}")
+    B, T, H, Hkv, D = _layer_shapes("short_attention", q, k, v, cos, sin_signed, k_cache, v_cache)
+    G = H // Hkv
+    if D & (D - 1) or D < 16 or H % Hkv or T * G > 64 or k_cache.shape[2] > SHORT_COLUMNS:
+        raise ValueError(f"short_attention: head_dim {D} (a power of two >= 16), {H} heads over {Hkv} kv heads, "
+                         f"{T * G} query rows (at most 64), a cache of {k_cache.shape[2]} columns (at most "
+                         f"{SHORT_COLUMNS})")
     out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
     _short_attention_kernel[(B, Hkv)](
         q, k, v, q_weight, k_weight, cos, sin_signed, k_cache, v_cache, out, slots, positions, T, eps, D**-0.5,
