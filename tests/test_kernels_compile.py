@@ -117,6 +117,22 @@ def compile_codec(dtype: str) -> None:
                            "IEEE": dtype == "fp32"}, {"slots_ptr": "*i64", "pos_ptr": "*i64"})
 
 
+def compile_cp_forward(dtype: str) -> None:
+    from engine.kernels import cp_forward
+
+    pointers = {"bar_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64"}
+    geometry = {"L": 5, "H": 1024, "HQ": 16, "HKV": 8, "D": 128, "FF": 3072, "V": 2048, "BLOCK_K": 128,
+                "BN_QKV": 32, "BN_O": 16, "BN_UP": 32, "BN_DOWN": 16, "BN_HEAD": 16, "IEEE": dtype == "fp32",
+                "BLOCK_C": 16}
+    # the Code Predictor's first forward at B1 (two tokens) and a later one at B64, in both modes
+    for persistent, block_m, block_b, block_qm, block_t in ((True, 16, 16, 16, 2), (False, 64, 64, 16, 2)):
+        ptx = _compile(cp_forward._cp_forward_kernel, dtype,
+                       geometry | {"BLOCK_M": block_m, "BLOCK_B": block_b, "BLOCK_QM": block_qm, "BLOCK_T": block_t,
+                                   "PERSISTENT": persistent}, pointers)
+        # the grid barrier: arrivals released, the wait acquired (an acquire load), at GPU scope; none without it
+        assert ("atom.global.gpu.release" in ptx and "ld.global.gpu.acquire" in ptx) == persistent, persistent
+
+
 def _in_fresh_python(what: str, dtype: str) -> None:
     """Compile in a new interpreter without TRITON_INTERPRET: once the other kernel tests have run triton's
     interpreter in this process, its patched language objects break the real compiler."""
@@ -148,6 +164,11 @@ def test_sampler_kernel_compiles(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_cp_forward_kernel_compiles(dtype):
+    _in_fresh_python("cp_forward", dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_codec_window_kernel_compiles(dtype):
     _in_fresh_python("codec", dtype)
 
@@ -155,4 +176,4 @@ def test_codec_window_kernel_compiles(dtype):
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parents[1]))
     {"norm": compile_norm, "attention": compile_attention, "linear": compile_linear, "sampler": compile_sampler,
-     "codec": compile_codec}[sys.argv[1]](sys.argv[2])
+     "codec": compile_codec, "cp_forward": compile_cp_forward}[sys.argv[1]](sys.argv[2])

@@ -44,16 +44,26 @@ def _greedy(model, frames: int) -> dict[int, torch.Tensor]:
     return {r: torch.stack(c) for r, c in codes.items()}
 
 
-@pytest.mark.parametrize(("linear", "short"), [("cublas", "off"), ("triton", "off"), ("cublas", "on")])
-def test_greedy_codes_identical_on_both_paths(model, linear, short, monkeypatch):
+@pytest.mark.parametrize(("linear", "short", "cp_forward"),
+                         [("cublas", "off", "off"), ("triton", "off", "off"), ("cublas", "on", "off"),
+                          ("cublas", "off", "persistent")])
+def test_greedy_codes_identical_on_both_paths(model, linear, short, cp_forward, monkeypatch):
     """linear: F.linear, or the skinny kernel for every decode GEMM; short: the Code Predictor's attention in one
-    launch a layer (short_attention) or two."""
+    launch a layer (short_attention) or two; cp_forward: each Code Predictor forward in one kernel."""
     monkeypatch.setenv("VOICELANE_LINEAR", linear)
     monkeypatch.setenv("VOICELANE_SHORT_ATTENTION", short)
+    monkeypatch.setenv("VOICELANE_CP_FORWARD", cp_forward)
+    from engine.kernels import cp_forward as one_kernel
+
+    launched = []
+    real = one_kernel.cp_forward
+    monkeypatch.setattr(one_kernel, "cp_forward", lambda *a, **kw: launched.append(a[10]) or real(*a, **kw))
     with kernels.backend("torch"):
         reference = _greedy(model, 2)
     with kernels.backend("triton"):
         fused = _greedy(model, 2)
+    # 2 frames of 15 forwards for each of the 2 requests (one batch of two rows): 30 one-kernel forwards, or none
+    assert launched == ([cp_forward] * 30 if cp_forward != "off" else [])
     assert reference.keys() == fused.keys() == {0, 1}
     for r in reference:
         assert reference[r].shape == (2, 16)

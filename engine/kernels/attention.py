@@ -376,6 +376,20 @@ def _load_norm_rope(src, ok, w_ptr, cos_ptr, sin_ptr, t, s_ct, s_st, eps, D: tl.
 
 
 @triton.jit
+def _attend_short(q, kc_ptr, vc_ptr, base, pos_at, row_ok, s_cl, scale, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """Query rows q [M, D] (normed, rotated), each attending the cache columns 0..its position (read at pos_at [M])
+    of one (cache row, kv head) at `base`, all in one column block: the normalised output [M, D] in fp32."""
+    limit = tl.where(row_ok, (tl.load(pos_at, mask=row_ok, other=-1) + 1).to(tl.int32), 0)
+    m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
+    l_i = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros([q.shape[0], D], tl.float32)
+    m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, base, 0, tl.max(limit, axis=0), limit, s_cl, scale, m_i, l_i,
+                                  acc, D, BLOCK_N, IEEE)
+    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+
+
+@triton.jit
 def _short_attention_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, out_ptr,
                             slots_ptr, pos_ptr, T, eps, scale,
                             s_qb, s_qt, s_kb, s_kt, s_vb, s_vt, s_cb, s_ct, s_sb, s_st, s_ob, s_ot, s_oh,
@@ -403,15 +417,8 @@ def _short_attention_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_pt
     head = kvh * G + rows % G
     q = _load_norm_rope(q_ptr + b * s_qb + t[:, None] * s_qt + head[:, None] * D, row_ok, qw_ptr, cos_ptr + b * s_cb,
                         sin_ptr + b * s_sb, t, s_ct, s_st, eps, D)
-    limit = (tl.load(pos_ptr + b * s_pb + t * s_pt, mask=row_ok, other=-1) + 1).to(tl.int32)
-    limit = tl.where(row_ok, limit, 0)
     tl.debug_barrier()  # the keys and values stored above are read below, by other threads of this program
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, base, 0, tl.max(limit, axis=0), limit, s_cl, scale, m_i, l_i,
-                                  acc, D, BLOCK_N, IEEE)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = _attend_short(q, kc_ptr, vc_ptr, base, pos_ptr + b * s_pb + t * s_pt, row_ok, s_cl, scale, D, BLOCK_N, IEEE)
     tl.store(out_ptr + b * s_ob + t[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 

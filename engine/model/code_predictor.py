@@ -6,6 +6,9 @@ at position g and predicts c_g with lm_head[g-1]. P is small_to_mtp_projection (
 
 prepare_inference() (called once after the weights are loaded) stores P(Ecp[g]) for every table, so each step
 reads one row instead of an embedding lookup plus a Linear.
+
+On the Triton path with VOICELANE_CP_FORWARD=phased or persistent, each forward (the stack and the group's head) is
+engine.kernels.cp_forward: 26 launches a forward, or one.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine import kernels
 from engine.model.config import TalkerConfig
 from engine.model.layers import AttentionBatch, DecoderStack, KVCache, dense
 
@@ -94,13 +98,17 @@ class CodePredictor(nn.Module):
         every = AttentionBatch.build(self.cfg, rows, torch.arange(self.positions, device=device).expand(B, -1),
                                      self.positions, dtype)
         x = self.small_to_mtp_projection(torch.stack((hidden, code0_embedding), dim=1))  # [B, 2, H_cp]
+        forward = self._forward_kernel(device)
         codes, logits_seen = [], []
         for group in range(1, self.groups + 1):
             span = slice(0, 2) if group == 1 else slice(group, group + 1)
             batch = AttentionBatch(rows, every.positions[:, span], every.blocked[:, :, span], every.cos[:, span],
                                    every.sin_signed[:, span])
-            h = self.model.run(x, batch, cache)[:, -1]  # [B, H_cp]
-            logits = dense(h, self.lm_head[group - 1].weight)  # [B, V] model dtype: the sampler reads it
+            if forward is not None:
+                logits = forward(group, x.contiguous(), batch, cache)
+            else:
+                h = self.model.run(x, batch, cache)[:, -1]  # [B, H_cp]
+                logits = dense(h, self.lm_head[group - 1].weight)  # [B, V] model dtype: the sampler reads it
             code = choose(group, logits)
             if forced is not None:
                 code = forced[:, group - 1]
@@ -110,6 +118,24 @@ class CodePredictor(nn.Module):
             if group < self.groups:
                 x = self._next_input(group, code)
         return torch.stack(codes, dim=1), (torch.stack(logits_seen, dim=1) if keep_logits else None)
+
+    def _forward_kernel(self, device) -> Callable[[int, Tensor, AttentionBatch, KVCache], Tensor] | None:
+        """The one-kernel forward of engine.kernels.cp_forward when it is switched on, else None. Its persistent
+        launches share one set of barrier counters a frame (a single memset)."""
+        if not kernels.use_triton(device):
+            return None
+        from engine.kernels.cp_forward import barrier_counters, cp_forward, cp_forward_mode
+
+        mode = cp_forward_mode()
+        if mode == "off":
+            return None
+        counters = barrier_counters(self.groups, self.cfg.num_layers, device) if mode == "persistent" else None
+
+        def forward(group: int, x: Tensor, batch: AttentionBatch, cache: KVCache) -> Tensor:
+            return cp_forward(self.model, x, batch.cos, batch.sin_signed, cache.k, cache.v, batch.slots,
+                              batch.positions, self.model.norm.weight, self.lm_head[group - 1].weight, mode,
+                              counters[group - 1] if counters is not None else None)
+        return forward
 
     def code_embeddings(self, codes: Tensor) -> list[Tensor]:
         """The 15 input-table rows of codes [B, 15], each [B, H_talker]."""

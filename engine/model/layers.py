@@ -98,6 +98,15 @@ class FusedRows:
             for lin, part in zip(self.linears, self.weight.split(self.sizes), strict=True):
                 lin.weight = nn.Parameter(part, requires_grad=lin.weight.requires_grad)
 
+    def adopt(self, storage: Tensor) -> None:
+        """Move the fused matrix into `storage` (same shape; e.g. one layer's slice of a tensor stacking every
+        layer's, engine.kernels.cp_forward) and make each Linear's weight a view of it there."""
+        with torch.no_grad():
+            storage.copy_(self.current())
+            self.weight = storage
+            for lin, part in zip(self.linears, storage.split(self.sizes), strict=True):
+                lin.weight = nn.Parameter(part, requires_grad=lin.weight.requires_grad)
+
     def intact(self) -> bool:
         """False once a Linear's weight no longer lives in the fused matrix (after a .to() or a new Parameter)."""
         start, row_bytes = self.weight.data_ptr(), self.weight.stride(0) * self.weight.element_size()

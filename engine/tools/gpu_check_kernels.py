@@ -43,10 +43,12 @@ class Sizes:
     many_rows: int = 64 * 64  # a B64 x 64-token prefill, flattened
     prefill: tuple[int, int] = (16, 64)  # batch, tokens
     model_dtype: torch.dtype = torch.bfloat16  # the whole-model checks' serving dtype (against float32)
+    cp_starts: tuple[tuple[int, int], ...] = ((2, 0), (1, 15))  # Code Predictor forwards: (tokens, first position)
+    cp_repeats: int = 20  # persistent launches compared with the first
 
 
 SMOKE = Sizes(dtypes=(torch.float16, torch.float32), batches=(1, 3), long_len=40, mid_len=24, many_rows=12,
-              prefill=(3, 8), model_dtype=torch.float32)
+              prefill=(3, 8), model_dtype=torch.float32, cp_starts=((2, 0),), cp_repeats=1)
 
 
 def _geometry(stack) -> dict:
@@ -214,6 +216,62 @@ def kernel_checks(config, sizes: Sizes, time_it: bool) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- whole model
+def cp_forward_checks(loaded, sizes: Sizes, time_it: bool) -> list[dict]:
+    """engine.kernels.cp_forward (one Code Predictor forward and its head) in both modes against the model's own
+    path, on the loaded model's weights and dtype: the logits and the caches written, each measured against a float32
+    copy of the model (a case passes within its dtype's tolerance or no less accurate than the model's own path);
+    persistent must equal phased exactly (the same arithmetic in the same order), over 20 launches (a barrier that
+    let a program run ahead would show as a difference; sizes.cp_repeats)."""
+    import copy
+
+    from engine.kernels import cp_forward as cf
+    from engine.model.layers import rope_cos_sin, signed_sin
+
+    cp = loaded.tts.talker.code_predictor
+    cp32 = copy.deepcopy(cp).float()
+    cfg = cp.model.cfg
+    dtype = next(cp.parameters()).dtype
+    big = sizes.batches[-1]
+    rows = []
+    for B, (T, start) in ((b, c) for b in (1, big) for c in sizes.cp_starts):
+        g = torch.Generator(device=DEVICE).manual_seed(B + T + start)
+        x = torch.randn(B, T, cfg.hidden_size, device=DEVICE, generator=g)
+        positions = (torch.arange(T, device=DEVICE) + start).expand(B, T)
+        slots = torch.arange(B, 0, -1, device=DEVICE)
+        k0 = torch.randn(cfg.num_layers, B + 1, cfg.num_kv_heads, cp.positions, cfg.head_dim, device=DEVICE,
+                         generator=g)
+        v0 = torch.randn(k0.shape, device=DEVICE, generator=g)
+
+        def call(model, mode, dt, x=x, positions=positions, slots=slots, k0=k0, v0=v0):
+            cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dt)
+            k, v = k0.to(dt), v0.to(dt)
+            args = (model.model, x.to(dt), cos, signed_sin(sin), k, v, slots, positions, model.model.norm.weight,
+                    model.lm_head[2].weight)
+            with torch.inference_mode():
+                logits = cf.cp_forward(*args, mode) if mode != "model" else cf.cp_forward_reference(*args)
+            return (logits, k, v), args
+
+        truth, _ = call(cp32, "model", torch.float32)
+        own, _ = call(cp, "model", dtype)
+        phased, _ = call(cp, "phased", dtype)
+        persistent, args = call(cp, "persistent", dtype)
+        again = [call(cp, "persistent", dtype)[0] for _ in range(sizes.cp_repeats)]
+        err = max(_rel_err(a, b) for a, b in zip(persistent, truth, strict=True))
+        own_err = max(_rel_err(a, b) for a, b in zip(own, truth, strict=True))
+        exact = all(torch.equal(a, b) for a, b in zip(persistent, phased, strict=True))
+        stable = all(torch.equal(r[0], persistent[0]) for r in again)
+        row = {"kernel": "cp_forward", "shape": f"B{B} T{T} from position {start}", "dtype": str(dtype).removeprefix(
+            "torch."), "rel_err": err, "torch_rel_err": own_err, "persistent_equals_phased": exact,
+            "persistent_repeats_equal": stable,
+            "ok": exact and stable and (err <= TOLERANCE[dtype] or err <= 2 * own_err)}
+        if time_it:
+            row["kernel_us"] = _bench_us(lambda args=args: cf.cp_forward(*args, "persistent"))
+            row["phased_us"] = _bench_us(lambda args=args: cf.cp_forward(*args, "phased"))
+            row["torch_us"] = _bench_us(lambda args=args: cf.cp_forward_reference(*args))
+        rows.append(row)
+    return rows
+
+
 def greedy_codes(loaded, batch: int, frames: int, graphs: str, cached_prefix: bool = False) -> torch.Tensor:
     """Drive the runner's stages (prefill, then Code Predictor and Talker per frame) for `batch` greedy rows with
     distinct prompts; -> codes [batch, frames, 16]. cached_prefix: the prefill runs twice, the second time after
@@ -360,7 +418,8 @@ def check(a: argparse.Namespace, sizes: Sizes) -> int:
     torch.manual_seed(0)
     t0 = time.monotonic()
     loaded = load(a.model, DEVICE, sizes.model_dtype)
-    record["kernels_checked"] = kernel_checks(loaded.config, sizes, not a.no_time and DEVICE == "cuda")
+    time_it = not a.no_time and DEVICE == "cuda"
+    record["kernels_checked"] = kernel_checks(loaded.config, sizes, time_it) + cp_forward_checks(loaded, sizes, time_it)
     record["kernel_seconds"] = round(time.monotonic() - t0, 1)
     record["model_checks"] = [] if a.no_model else whole_model(loaded, a.model, a.frames, a.batches)
     record["seconds"] = round(time.monotonic() - t0, 1)

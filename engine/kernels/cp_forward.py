@@ -1,0 +1,414 @@
+"""One Code Predictor forward (5 layers, the final norm and the group's head) in one kernel launch.
+
+At batch 1 the Code Predictor is launch-bound: 15 forwards a frame of about 47 kernels each (706 launches, 2.6 ms
+of kernels for 0.58 ms of weights), each kernel paying its ramp and tail. Here a forward is 26 steps of one
+kernel, each step a loop over its work items (tiles of output columns, or (row, kv head) pairs for attention):
+
+    per layer: 0 qkv    x -> RMSNorm (prologue) -> [q | k | v] projection               -> qkv scratch
+               1 attn   q/k-norm, RoPE, k/v into the cache, attention over <= 16 columns -> attn scratch
+               2 o      attn @ Wo + residual                                             -> h
+               3 up     h -> RMSNorm (prologue) -> gate and up -> SwiGLU                -> act scratch
+               4 down   act @ Wdown + residual                                           -> h
+    then       head     h (each row's last token) -> final RMSNorm (prologue) -> lm_head[group] -> logits
+
+Two ways to run the same steps (VOICELANE_CP_FORWARD):
+- "persistent": one launch, one program per multiprocessor (all resident at once); the steps are separated by a
+  grid-wide barrier (an arrival counter per step in global memory, release on arrival, acquire while waiting).
+- "phased": one launch per step, a kernel boundary between steps (26 a forward instead of ~47). Triton's
+  interpreter runs programs one after another, so a barrier could never be passed there: the CPU tests run this
+  mode, and the persistent mode with a single program (whose barrier is its own arrival).
+- "off" (the default until measured on the H200): the layer-by-layer kernels of engine/model/layers.py.
+
+Rounding follows engine/model/layers.py op by op (the norms' fp32 statistics and rounded products, the residual
+sums rounded to the activation dtype, SwiGLU rounded before its multiply), so the reference of a forward is the
+model's own path: `DecoderStack.run` then `dense(h, lm_head)`.
+
+The layers' weights are used in place: `StackedLayers` moves each kind of weight of the 5 layers into one [L, ...]
+tensor once and makes every layer's parameters views of it, so the kernel indexes layers by stride and the
+checkpoint's module tree and names stay as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor, nn
+
+from engine.kernels.attention import _attend_short, _norm_rope_rows
+from engine.kernels.pdl import launch_options
+
+log = logging.getLogger("voicelane.kernels.cp_forward")
+
+CP_FORWARD_ENV = "VOICELANE_CP_FORWARD"
+MODES = ("off", "phased", "persistent")
+PHASES = 5  # steps per layer: qkv, attn, o, up, down
+
+
+def cp_forward_mode() -> str:
+    value = os.environ.get(CP_FORWARD_ENV, "off").strip().lower() or "off"
+    if value not in MODES:
+        raise ValueError(f"{CP_FORWARD_ENV}={value!r}: choose one of {', '.join(MODES)}")
+    return value
+
+
+def steps(layers: int) -> int:
+    """Steps of one forward: PHASES per layer and the head."""
+    return PHASES * layers + 1
+
+
+# --------------------------------------------------------------------------------------------------- device parts
+@triton.jit
+def _grid_barrier(counter_ptr, programs):
+    """Every program arrives (release: its stores before are visible to whoever acquires after) and waits until all
+    `programs` have (acquire). A scalar atomic is one per program. The counter is used once per launch."""
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+    arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    while arrived < programs:
+        arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _row_rstd(x_ptr, row_stride, rows, K: tl.constexpr, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / rms of each of `rows` rows of K values (fp32 statistics): [BLOCK_M]."""
+    rm = tl.arange(0, BLOCK_M)
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * row_stride + k[None, :], mask=(rm < rows)[:, None] & (k < K)[None, :],
+                    other=0.0, cache_modifier=".cg").to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _matmul_tile(x_ptr, row_stride, rows, K: tl.constexpr, norm_ptr, rstd, w_ptr, n0, N,
+                 NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """x[rows, K] @ w[n0 : n0 + BLOCK_N, K]^T in fp32 [BLOCK_M, BLOCK_N]; with NORM, x is first RMS-normed
+    (rstd [BLOCK_M]) and multiplied by norm_ptr's weight, rounded as add_rms_norm rounds."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    m_ok = rm < rows
+    n_ok = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(x_ptr + rm[:, None] * row_stride + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0,
+                    cache_modifier=".cg")
+        if NORM:
+            nw = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            a = (nw[None, :] * (a.to(tl.float32) * rstd[:, None]).to(a.dtype).to(tl.float32)).to(a.dtype)
+        w = tl.load(w_ptr + rn[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(w))
+    return acc
+
+
+@triton.jit
+def _store_tile(y_ptr, row_stride, rows, n0, N, y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rm = tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + rm[:, None] * row_stride + rn[None, :], y, mask=(rm < rows)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _residual_tile(res_ptr, rows, n0, N: tl.constexpr, acc, out_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[:, tile] = (acc rounded) + res[:, tile], rounded: the residual add of add_rms_norm. In place is fine
+    (res_ptr == out_ptr): a tile's columns belong to one program."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    ok = (rm < rows)[:, None] & (rn < N)[None, :]
+    res = tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+    y = (acc.to(res.dtype).to(tl.float32) + res.to(tl.float32)).to(res.dtype)
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], y, mask=ok)
+
+
+@triton.jit
+def _attention_item(b, kvh, T, qkv_ptr, attn_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, s_cb, s_ct, s_sb, s_st,
+                    kc_ptr, vc_ptr, s_cs, s_ch, s_cl, slots_ptr, pos_ptr, s_pb, s_pt, eps, scale,
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_QM: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr):
+    """Batch row b, kv head kvh: short_attention's work (engine/kernels/attention.py) on the qkv scratch rows
+    b * T + t, its output into the attn scratch rows."""
+    G: tl.constexpr = HQ // HKV
+    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+    d = tl.arange(0, D)
+    rolled = (d + D // 2) % D
+    base = tl.load(slots_ptr + b) * s_cs + kvh * s_ch
+    tt = tl.arange(0, BLOCK_T)
+    t_ok = tt < T
+    at = base + tl.load(pos_ptr + b * s_pb + tt * s_pt, mask=t_ok, other=0)[:, None] * s_cl + d[None, :]
+    k_src = qkv_ptr + (b * T + tt)[:, None] * NQKV + (HQ + kvh) * D
+    k_cos = tl.load(cos_ptr + b * s_cb + tt[:, None] * s_ct + d[None, :], mask=t_ok[:, None], other=0.0)
+    k_sin = tl.load(sin_ptr + b * s_sb + tt[:, None] * s_st + d[None, :], mask=t_ok[:, None], other=0.0)
+    keys = _norm_rope_rows(tl.load(k_src + d[None, :], mask=t_ok[:, None], other=0.0, cache_modifier=".cg"),
+                           tl.load(k_src + rolled[None, :], mask=t_ok[:, None], other=0.0, cache_modifier=".cg"),
+                           tl.load(kn_ptr + d).to(tl.float32)[None, :],
+                           tl.load(kn_ptr + rolled).to(tl.float32)[None, :],
+                           k_cos.to(tl.float32), k_sin.to(tl.float32), eps, D)
+    tl.store(kc_ptr + at, keys, mask=t_ok[:, None])
+    values = tl.load(qkv_ptr + (b * T + tt)[:, None] * NQKV + (HQ + HKV + kvh) * D + d[None, :], mask=t_ok[:, None],
+                     other=0.0, cache_modifier=".cg")
+    tl.store(vc_ptr + at, values, mask=t_ok[:, None])
+    rows = tl.arange(0, BLOCK_QM)  # query rows t * G + g of this kv head
+    row_ok = rows < T * G
+    t = rows // G
+    head = kvh * G + rows % G
+    q_src = qkv_ptr + (b * T + t)[:, None] * NQKV + head[:, None] * D
+    q_cos = tl.load(cos_ptr + b * s_cb + t[:, None] * s_ct + d[None, :], mask=row_ok[:, None], other=0.0)
+    q_sin = tl.load(sin_ptr + b * s_sb + t[:, None] * s_st + d[None, :], mask=row_ok[:, None], other=0.0)
+    q = _norm_rope_rows(tl.load(q_src + d[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg"),
+                        tl.load(q_src + rolled[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg"),
+                        tl.load(qn_ptr + d).to(tl.float32)[None, :], tl.load(qn_ptr + rolled).to(tl.float32)[None, :],
+                        q_cos.to(tl.float32), q_sin.to(tl.float32), eps, D)
+    tl.debug_barrier()  # the keys and values stored above are read below, by other threads of this program
+    out = _attend_short(q, kc_ptr, vc_ptr, base, pos_ptr + b * s_pb + t * s_pt, row_ok, s_cl, scale, D, BLOCK_C, IEEE)
+    tl.store(attn_ptr + (b * T + t)[:, None] * (HQ * D) + head[:, None] * D + d[None, :],
+             out.to(attn_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr,
+                       w_in_ptr, w_qkv_ptr, w_qn_ptr, w_kn_ptr, w_o_ptr, w_post_ptr, w_gu_ptr, w_down_ptr,
+                       w_final_ptr, w_head_ptr,
+                       kc_ptr, vc_ptr, s_kl, s_cs, s_ch, s_cl, cos_ptr, sin_ptr, s_cb, s_ct, s_sb, s_st,
+                       slots_ptr, pos_ptr, s_pb, s_pt, B, T, first, last, eps, scale,
+                       L: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                       FF: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
+                       BLOCK_QM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_UP: tl.constexpr, BN_DOWN: tl.constexpr,
+                       BN_HEAD: tl.constexpr, PERSISTENT: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    M = B * T
+    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+    # while loops: triton 3.6's interpreter cannot take a runtime scalar as a range() bound (numpy >= 2)
+    step = first
+    while step < last:
+        layer = step // 5
+        phase = step % 5
+        if layer == L:  # the head, on each batch row's last token (row stride T * H)
+            last_tokens = h_ptr + (T - 1) * H
+            rstd = _row_rstd(last_tokens, T * H, B, H, eps, BLOCK_B, BLOCK_K)
+            tile = pid
+            while tile < tl.cdiv(V, BN_HEAD):
+                acc = _matmul_tile(last_tokens, T * H, B, H, w_final_ptr, rstd, w_head_ptr, tile * BN_HEAD, V, True,
+                                   BLOCK_B, BN_HEAD, BLOCK_K, IEEE)
+                _store_tile(out_ptr, V, B, tile * BN_HEAD, V, acc.to(out_ptr.dtype.element_ty), BLOCK_B, BN_HEAD)
+                tile += programs
+        else:
+            at_layer = layer.to(tl.int64)
+            residual = h_ptr
+            if layer == 0:
+                residual = x_ptr  # the stack's input is the first residual
+            if phase == 0:
+                rstd = _row_rstd(residual, H, M, H, eps, BLOCK_M, BLOCK_K)
+                tile = pid
+                while tile < tl.cdiv(NQKV, BN_QKV):
+                    acc = _matmul_tile(residual, H, M, H, w_in_ptr + at_layer * H, rstd,
+                                       w_qkv_ptr + at_layer * NQKV * H, tile * BN_QKV, NQKV, True, BLOCK_M, BN_QKV,
+                                       BLOCK_K, IEEE)
+                    _store_tile(qkv_ptr, NQKV, M, tile * BN_QKV, NQKV, acc.to(qkv_ptr.dtype.element_ty), BLOCK_M,
+                                BN_QKV)
+                    tile += programs
+            elif phase == 1:
+                item = pid
+                while item < B * HKV:
+                    _attention_item(item // HKV, item % HKV, T, qkv_ptr, attn_ptr, w_qn_ptr + at_layer * D,
+                                    w_kn_ptr + at_layer * D, cos_ptr, sin_ptr, s_cb, s_ct, s_sb, s_st,
+                                    kc_ptr + at_layer * s_kl, vc_ptr + at_layer * s_kl, s_cs, s_ch, s_cl, slots_ptr,
+                                    pos_ptr, s_pb, s_pt, eps, scale, HQ, HKV, D, BLOCK_QM, BLOCK_T, BLOCK_C, IEEE)
+                    item += programs
+            elif phase == 2:
+                tile = pid
+                while tile < tl.cdiv(H, BN_O):
+                    acc = _matmul_tile(attn_ptr, HQ * D, M, HQ * D, w_in_ptr, 0.0, w_o_ptr + at_layer * H * HQ * D,
+                                       tile * BN_O, H, False, BLOCK_M, BN_O, BLOCK_K, IEEE)
+                    _residual_tile(residual, M, tile * BN_O, H, acc, h_ptr, BLOCK_M, BN_O)
+                    tile += programs
+            elif phase == 3:
+                rstd = _row_rstd(h_ptr, H, M, H, eps, BLOCK_M, BLOCK_K)
+                tile = pid
+                while tile < tl.cdiv(FF, BN_UP):
+                    up_w = w_gu_ptr + at_layer * 2 * FF * H
+                    gate = _matmul_tile(h_ptr, H, M, H, w_post_ptr + at_layer * H, rstd, up_w, tile * BN_UP, FF, True,
+                                        BLOCK_M, BN_UP, BLOCK_K, IEEE).to(act_ptr.dtype.element_ty).to(tl.float32)
+                    up = _matmul_tile(h_ptr, H, M, H, w_post_ptr + at_layer * H, rstd, up_w + FF * H, tile * BN_UP, FF,
+                                      True, BLOCK_M, BN_UP, BLOCK_K, IEEE).to(act_ptr.dtype.element_ty)
+                    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # SwiGLU as engine.kernels.norm.swiglu
+                    act = (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+                    _store_tile(act_ptr, FF, M, tile * BN_UP, FF, act, BLOCK_M, BN_UP)
+                    tile += programs
+            else:
+                tile = pid
+                while tile < tl.cdiv(H, BN_DOWN):
+                    acc = _matmul_tile(act_ptr, FF, M, FF, w_in_ptr, 0.0, w_down_ptr + at_layer * H * FF,
+                                       tile * BN_DOWN, H, False, BLOCK_M, BN_DOWN, BLOCK_K, IEEE)
+                    _residual_tile(h_ptr, M, tile * BN_DOWN, H, acc, h_ptr, BLOCK_M, BN_DOWN)
+                    tile += programs
+        if PERSISTENT:
+            if step + 1 < last:
+                _grid_barrier(bar_ptr + step, programs)
+        step += 1
+
+
+# --------------------------------------------------------------------------------------------------- weights
+class StackedLayers:
+    """Each kind of weight of a decoder stack's layers as one [L, ...] tensor; the layers' parameters become views
+    of it (the fused q/k/v and gate/up matrices included), so nothing is stored twice."""
+
+    def __init__(self, stack: nn.Module):
+        layers = list(stack.layers)
+        for layer in layers:
+            if layer.self_attn.qkv is None or layer.mlp.gate_up is None:
+                raise ValueError("StackedLayers needs prepare_inference() to have fused q/k/v and gate/up")
+        self.stack = stack
+        with torch.no_grad():
+            self.qkv = self._adopt_fused([layer.self_attn.qkv for layer in layers])
+            self.gate_up = self._adopt_fused([layer.mlp.gate_up for layer in layers])
+            self.o = self._adopt([layer.self_attn.o_proj for layer in layers])
+            self.down = self._adopt([layer.mlp.down_proj for layer in layers])
+            self.input_norm = self._adopt([layer.input_layernorm for layer in layers])
+            self.post_norm = self._adopt([layer.post_attention_layernorm for layer in layers])
+            self.q_norm = self._adopt([layer.self_attn.q_norm for layer in layers])
+            self.k_norm = self._adopt([layer.self_attn.k_norm for layer in layers])
+
+    @staticmethod
+    def _adopt(modules: list[nn.Module]) -> Tensor:
+        stacked = torch.stack([m.weight.detach() for m in modules])
+        for m, part in zip(modules, stacked, strict=True):
+            m.weight = nn.Parameter(part, requires_grad=m.weight.requires_grad)
+        return stacked
+
+    @staticmethod
+    def _adopt_fused(fused: list) -> Tensor:
+        stacked = torch.stack([f.current() for f in fused])
+        for f, part in zip(fused, stacked, strict=True):
+            f.adopt(part)
+        return stacked
+
+    def intact(self) -> bool:
+        """False once any layer's weight is no longer a view of the stacked tensors (replaced after loading)."""
+        for i, layer in enumerate(self.stack.layers):
+            pairs = ((layer.self_attn.o_proj.weight, self.o), (layer.mlp.down_proj.weight, self.down),
+                     (layer.input_layernorm.weight, self.input_norm),
+                     (layer.post_attention_layernorm.weight, self.post_norm),
+                     (layer.self_attn.q_norm.weight, self.q_norm), (layer.self_attn.k_norm.weight, self.k_norm),
+                     (layer.self_attn.qkv.weight, self.qkv), (layer.mlp.gate_up.weight, self.gate_up))
+            if any(w.data_ptr() != stacked[i].data_ptr() for w, stacked in pairs):
+                return False
+            if not (layer.self_attn.qkv.intact() and layer.mlp.gate_up.intact()):
+                return False
+        return True
+
+
+def stacked_layers(stack: nn.Module) -> StackedLayers:
+    """The stack's StackedLayers, made on first use and again (logged) if a weight was replaced since."""
+    current = getattr(stack, "_stacked_layers", None)
+    if current is not None and current.intact():
+        return current
+    if current is not None:
+        log.warning("Code Predictor weights were replaced after stacking them; stacking them again")
+    current = StackedLayers(stack)
+    stack._stacked_layers = current
+    return current
+
+
+# --------------------------------------------------------------------------------------------------- launch
+_SM_COUNT: dict[int, int] = {}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+BLOCK_K = 128
+BN = {"qkv": 32, "o": 16, "up": 32, "down": 16, "head": 16}
+
+
+def barrier_counters(forwards: int, layers: int, device) -> Tensor:
+    """Zeroed arrival counters for `forwards` persistent launches (one row each): one memset for a whole frame."""
+    return torch.zeros(forwards, steps(layers), device=device, dtype=torch.int32)
+
+
+def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_cache: Tensor, v_cache: Tensor,
+               slots: Tensor, positions: Tensor, final_norm: Tensor, head: Tensor, mode: str,
+               counters: Tensor | None = None, programs: int | None = None) -> Tensor:
+    """One forward of the decoder stack `stack` and its head: the logits [B, V] of each row's last token.
+
+    x [B, T, H] (contiguous, the stack's input); cos, sin_signed [B, T, D] (unit last stride); k_cache, v_cache
+    [L, slots, Hkv, C, D] (C <= 64); slots [B]; positions [B, T]; final_norm [H]; head [V, H]. mode: "phased" or
+    "persistent"; counters [>= steps] int32, zero (persistent; None: allocated here); programs: the persistent
+    grid (None: one per multiprocessor on CUDA, 1 elsewhere)."""
+    weights = stacked_layers(stack)
+    cfg = stack.cfg
+    B, T, H = x.shape
+    L, HQ, HKV, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    FF, V = cfg.intermediate_size, head.shape[0]
+    C = k_cache.shape[3]
+    if (x.stride(-1) != 1 or not x.is_contiguous() or k_cache.shape[:3] != (L, k_cache.shape[1], HKV)
+            or k_cache.stride() != v_cache.stride() or C > 64 or head.shape[1] != H or T * (HQ // HKV) > 64):
+        raise ValueError(f"cp_forward: x {tuple(x.shape)}, cache {tuple(k_cache.shape)}, head {tuple(head.shape)} "
+                         f"do not fit a {L}-layer stack of width {H} ({HQ} heads, {HKV} kv heads, head_dim {D})")
+    if mode not in ("phased", "persistent"):
+        raise ValueError(f"cp_forward mode {mode!r}: phased or persistent")
+    M = B * T
+    dev, dtype = x.device, x.dtype
+    h = torch.empty(M, H, device=dev, dtype=dtype)
+    qkv = torch.empty(M, (HQ + 2 * HKV) * D, device=dev, dtype=dtype)
+    attn = torch.empty(M, HQ * D, device=dev, dtype=dtype)
+    act = torch.empty(M, FF, device=dev, dtype=dtype)
+    out = torch.empty(B, V, device=dev, dtype=dtype)
+    n_steps = steps(L)
+    if mode == "persistent" and counters is None:
+        counters = torch.zeros(n_steps, device=dev, dtype=torch.int32)
+    args = (x, h, qkv, attn, act, out, counters if counters is not None else slots,
+            weights.input_norm, weights.qkv, weights.q_norm, weights.k_norm, weights.o, weights.post_norm,
+            weights.gate_up, weights.down, final_norm, head,
+            k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+            cos, sin_signed, cos.stride(0), cos.stride(1), sin_signed.stride(0), sin_signed.stride(1),
+            slots, positions, positions.stride(0), positions.stride(1), B, T)
+    meta = dict(L=L, H=H, HQ=HQ, HKV=HKV, D=D, FF=FF, V=V, BLOCK_M=max(16, triton.next_power_of_2(M)),
+                BLOCK_B=max(16, triton.next_power_of_2(B)), BLOCK_QM=max(16, triton.next_power_of_2(T * HQ // HKV)),
+                BLOCK_T=max(2, triton.next_power_of_2(T)), BLOCK_C=max(16, triton.next_power_of_2(C)),
+                BLOCK_K=BLOCK_K, BN_QKV=BN["qkv"], BN_O=BN["o"], BN_UP=BN["up"], BN_DOWN=BN["down"],
+                BN_HEAD=BN["head"], IEEE=dtype == torch.float32, num_warps=4, **launch_options(dev))
+    eps, scale = stack.norm.eps, D**-0.5
+    if mode == "persistent":
+        if programs is None:
+            programs = _multiprocessors(dev) if dev.type == "cuda" else 1
+        _cp_forward_kernel[(programs,)](*args, 0, n_steps, eps, scale, PERSISTENT=True, **meta)
+        return out
+    nqkv = (HQ + 2 * HKV) * D
+    tiles = (triton.cdiv(nqkv, BN["qkv"]), B * HKV, triton.cdiv(H, BN["o"]), triton.cdiv(FF, BN["up"]),
+             triton.cdiv(H, BN["down"]))
+    for step in range(n_steps):
+        grid = triton.cdiv(V, BN["head"]) if step == n_steps - 1 else tiles[step % PHASES]
+        _cp_forward_kernel[(grid,)](*args, step, step + 1, eps, scale, PERSISTENT=False, **meta)
+    return out
+
+
+def cp_forward_reference(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_cache: Tensor,
+                         v_cache: Tensor, slots: Tensor, positions: Tensor, final_norm: Tensor, head: Tensor) -> Tensor:
+    """The model's own path, same arguments (final_norm is the stack's own norm): DecoderStack.run, then the head on
+    each row's last token."""
+    from engine.model.layers import AttentionBatch, KVCache, dense
+
+    C = k_cache.shape[3]
+    cols = torch.arange(C, device=x.device)
+    blocked = ~(cols[None, None, :] <= positions[:, :, None])[:, None]
+    batch = AttentionBatch(slots, positions, blocked, cos, sin_signed)
+    h = stack.run(x, batch, KVCache(k_cache, v_cache))[:, -1]
+    return dense(h, head)

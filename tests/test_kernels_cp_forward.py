@@ -1,0 +1,116 @@
+"""The Code Predictor's one-kernel forward (engine/kernels/cp_forward.py) against the model's own path, on the CPU
+through triton's interpreter: logits and the caches it writes, in both modes, at the first forward (two tokens)
+and later ones (up to the last cache column); its stacked weights; its switch."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are imported (they import lazily)
+pytest.importorskip("triton")
+if os.environ["TRITON_INTERPRET"] != "1":
+    pytest.skip("the kernel tests need TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
+
+from engine import kernels  # noqa: E402
+from engine.kernels import cp_forward as cf  # noqa: E402
+from engine.model.layers import rope_cos_sin, signed_sin  # noqa: E402
+from engine.model.random_model import build_random_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def code_predictor():
+    return build_random_model("tiny", seed=4).tts.talker.code_predictor
+
+
+def _inputs(cp, B: int, T: int, start: int, dtype, seed: int):
+    """x [B, T, H], RoPE tables, positions start..start+T-1, cache rows in reverse order of the batch rows, and a
+    cache whose columns hold random values (those below `start` are the frame's earlier keys and values)."""
+    cfg = cp.model.cfg
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, cfg.hidden_size, generator=g).to(dtype)
+    positions = (torch.arange(T) + start).expand(B, T)
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
+    cache = cp.new_cache(B + 1, "cpu", dtype)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    slots = torch.arange(B, 0, -1)
+    return x, cos, signed_sin(sin), cache, slots, positions
+
+
+def _run(cp, mode: str, B: int, T: int, start: int, dtype, group: int = 3):
+    x, cos, sin, cache, slots, positions = _inputs(cp, B, T, start, dtype, seed=B * 100 + T * 10 + start)
+    stack = cp.to(dtype).model
+    args = (stack, x, cos, sin, cache.k, cache.v, slots, positions, stack.norm.weight, cp.lm_head[group].weight)
+    with torch.inference_mode():
+        if mode == "reference":
+            with kernels.backend("torch"):
+                logits = cf.cp_forward_reference(*args)
+        else:
+            logits = cf.cp_forward(*args, mode)
+    return logits, cache.k, cache.v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("B", "T", "start"), [(1, 2, 0), (3, 1, 4), (2, 1, 15)])  # 15: the cache's last column
+@pytest.mark.parametrize("mode", ["phased", "persistent"])
+def test_forward_matches_the_model(code_predictor, dtype, B, T, start, mode):
+    got = _run(code_predictor, mode, B, T, start, dtype)
+    want = _run(code_predictor, "reference", B, T, start, dtype)
+    tol = {torch.float32: 2e-5, torch.float16: 3e-3}[dtype]
+    assert got[0].shape == (B, code_predictor.cfg.vocab_size) and got[0].dtype == dtype
+    for ours, theirs in zip(got, want, strict=True):
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=tol, atol=tol)
+
+
+def test_persistent_equals_phased_exactly(code_predictor):
+    """The same arithmetic in the same order: a barrier step is a kernel boundary."""
+    persistent = _run(code_predictor, "persistent", 2, 2, 0, torch.float32)
+    phased = _run(code_predictor, "phased", 2, 2, 0, torch.float32)
+    for a, b in zip(persistent, phased, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_stacked_weights_are_views_and_follow_a_replaced_weight(caplog):
+    """Stacking moves the layers' weights (no copy stays behind); a weight replaced afterwards is stacked again
+    (logged) and used, not the stale one."""
+    cp = build_random_model("tiny", seed=5).tts.talker.code_predictor
+    before = {k: v.clone() for k, v in cp.state_dict().items()}
+    stacked = cf.stacked_layers(cp.model)
+    for i, layer in enumerate(cp.model.layers):
+        assert layer.self_attn.q_proj.weight.data_ptr() == stacked.qkv[i].data_ptr()
+        assert layer.mlp.down_proj.weight.data_ptr() == stacked.down[i].data_ptr()
+    after = cp.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert cf.stacked_layers(cp.model) is stacked
+    baseline = _run(cp, "phased", 1, 1, 2, torch.float32)[0]
+    layer = cp.model.layers[1]
+    layer.mlp.down_proj.weight = torch.nn.Parameter(layer.mlp.down_proj.weight * 3)
+    with caplog.at_level(logging.WARNING, "voicelane.kernels.cp_forward"):
+        changed = _run(cp, "phased", 1, 1, 2, torch.float32)[0]
+    assert "stacking them again" in caplog.text
+    assert cf.stacked_layers(cp.model) is not stacked
+    torch.testing.assert_close(changed, _run(cp, "reference", 1, 1, 2, torch.float32)[0], rtol=2e-5, atol=2e-5)
+    assert not torch.allclose(changed, baseline)
+
+
+def test_switch_and_shape_errors(code_predictor, monkeypatch):
+    monkeypatch.setenv(cf.CP_FORWARD_ENV, "fast")
+    with pytest.raises(ValueError, match="choose one of off, phased, persistent"):
+        cf.cp_forward_mode()
+    monkeypatch.setenv(cf.CP_FORWARD_ENV, "persistent")
+    assert cf.cp_forward_mode() == "persistent"
+    assert kernels.kernels_status()["cp_forward"] == {"mode": "persistent", "switch": cf.CP_FORWARD_ENV}  # /ready
+    monkeypatch.delenv(cf.CP_FORWARD_ENV)
+    assert cf.cp_forward_mode() == "off"
+    x, cos, sin, cache, slots, positions = _inputs(code_predictor, 1, 1, 0, torch.float32, seed=0)
+    stack = code_predictor.float().model
+    with pytest.raises(ValueError, match="do not fit"):  # a head of the Talker's width
+        cf.cp_forward(stack, x, cos, sin, cache.k, cache.v, slots, positions, stack.norm.weight,
+                      torch.zeros(8, stack.cfg.hidden_size + 1), "phased")
+    with pytest.raises(ValueError, match="phased or persistent"):
+        cf.cp_forward(stack, x, cos, sin, cache.k, cache.v, slots, positions, stack.norm.weight,
+                      code_predictor.lm_head[0].weight, "off")
