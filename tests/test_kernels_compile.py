@@ -120,6 +120,8 @@ def compile_codec(dtype: str) -> None:
 def compile_cp_forward(dtype: str) -> None:
     from engine.kernels import cp_forward
 
+    # launch_options() passes GDC to every kernel on CUDA (triton's interpreter ignores an unknown keyword)
+    assert "GDC" in {p.name for p in cp_forward._cp_forward_kernel.params}
     pointers = {"bar_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64"}
     geometry = {"L": 5, "H": 1024, "HQ": 16, "HKV": 8, "D": 128, "FF": 3072, "V": 2048, "BLOCK_K": 128,
                 "BN_QKV": 32, "BN_O": 16, "BN_UP": 32, "BN_DOWN": 16, "BN_HEAD": 16, "IEEE": dtype == "fp32",

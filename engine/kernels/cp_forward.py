@@ -39,6 +39,7 @@ import triton.language as tl
 from torch import Tensor, nn
 
 from engine.kernels.attention import _attend_short, _norm_rope_rows
+from engine.kernels.gdc import wait_inputs
 from engine.kernels.pdl import launch_options
 
 log = logging.getLogger("voicelane.kernels.cp_forward")
@@ -186,7 +187,8 @@ def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_pt
                        FF: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
                        BLOCK_QM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
                        BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_UP: tl.constexpr, BN_DOWN: tl.constexpr,
-                       BN_HEAD: tl.constexpr, PERSISTENT: tl.constexpr, IEEE: tl.constexpr):
+                       BN_HEAD: tl.constexpr, PERSISTENT: tl.constexpr, IEEE: tl.constexpr, GDC: tl.constexpr):
+    wait_inputs(GDC)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     M = B * T
