@@ -74,6 +74,26 @@ def test_persistent_equals_phased_exactly(code_predictor):
         assert torch.equal(a, b)
 
 
+def test_a_barrier_that_waits_in_vain_counts_a_timeout_and_goes_on(code_predictor):
+    """A persistent grid whose programs cannot all be resident must not hang the device: here one program waits
+    for two at every barrier; each of the forward's 25 barriers gives up after its polls and counts a timeout (the
+    lone program did all the work, so its result is still the phased one)."""
+    x, cos, sin, cache, slots, positions = _inputs(code_predictor, 1, 2, 0, torch.float32, seed=3)
+    stack = code_predictor.float().model
+    counters = cf.barrier_counters(1, stack.cfg.num_layers, "cpu")
+    args = (stack, x, cos, sin, cache.k, cache.v, slots, positions, stack.norm.weight, code_predictor.lm_head[0].weight)
+    with torch.inference_mode():
+        waited = cf.cp_forward(*args, "persistent", counters[0], programs=1, barrier_target=2, spin_limit=3)
+        phased = cf.cp_forward(*args, "phased")
+    assert cf.barrier_timeouts(counters) == cf.steps(stack.cfg.num_layers) - 1
+    assert counters[0, :-2].tolist() == [1] * (cf.steps(stack.cfg.num_layers) - 1)  # one arrival at each barrier
+    torch.testing.assert_close(waited, phased, rtol=0, atol=0)
+    ok = cf.barrier_counters(1, stack.cfg.num_layers, "cpu")
+    with torch.inference_mode():
+        cf.cp_forward(*args, "persistent", ok[0], programs=1)
+    assert cf.barrier_timeouts(ok) == 0
+
+
 def test_stacked_weights_are_views_and_follow_a_replaced_weight(caplog):
     """Stacking moves the layers' weights (no copy stays behind); a weight replaced afterwards is stacked again
     (logged) and used, not the stale one."""

@@ -61,16 +61,31 @@ def steps(layers: int) -> int:
     return PHASES * layers + 1
 
 
+def counter_slots(layers: int) -> int:
+    """int32 counters of one persistent launch: one per step's barrier, then its barrier timeouts."""
+    return steps(layers) + 1
+
+
+SPIN_LIMIT = 1 << 16  # polls of a barrier before it counts a timeout: tens of ms by estimate, far above a step
+
+
 # --------------------------------------------------------------------------------------------------- device parts
 @triton.jit
-def _grid_barrier(counter_ptr, programs):
-    """Every program arrives (release: its stores before are visible to whoever acquires after) and waits until all
-    `programs` have (acquire). A scalar atomic is one per program. The counter is used once per launch."""
+def _grid_barrier(counter_ptr, target, timeouts_ptr, SPIN_LIMIT: tl.constexpr):
+    """Every program arrives (release: its stores before are visible to whoever acquires after) and waits until
+    `target` programs have (acquire). A scalar atomic is one per program; the counter is used once per launch.
+    A program that is still waiting after SPIN_LIMIT polls counts a timeout at timeouts_ptr and goes on: a grid
+    that cannot be resident at once (a GPU shared with other work, MIG) gives wrong results that say so, never a
+    hung device."""
     tl.debug_barrier()
     tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
     arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    while arrived < programs:
+    polls = 0
+    while (arrived < target) & (polls < SPIN_LIMIT):
         arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        polls += 1
+    if arrived < target:
+        tl.atomic_add(timeouts_ptr, 1)
     tl.debug_barrier()
 
 
@@ -182,12 +197,13 @@ def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_pt
                        w_in_ptr, w_qkv_ptr, w_qn_ptr, w_kn_ptr, w_o_ptr, w_post_ptr, w_gu_ptr, w_down_ptr,
                        w_final_ptr, w_head_ptr,
                        kc_ptr, vc_ptr, s_kl, s_cs, s_ch, s_cl, cos_ptr, sin_ptr, s_cb, s_ct, s_sb, s_st,
-                       slots_ptr, pos_ptr, s_pb, s_pt, B, T, first, last, eps, scale,
+                       slots_ptr, pos_ptr, s_pb, s_pt, B, T, first, last, target, eps, scale,
                        L: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                        FF: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
                        BLOCK_QM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
                        BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_UP: tl.constexpr, BN_DOWN: tl.constexpr,
-                       BN_HEAD: tl.constexpr, PERSISTENT: tl.constexpr, IEEE: tl.constexpr, GDC: tl.constexpr):
+                       BN_HEAD: tl.constexpr, PERSISTENT: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+                       IEEE: tl.constexpr, GDC: tl.constexpr):
     wait_inputs(GDC)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -259,7 +275,7 @@ def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_pt
                     tile += programs
         if PERSISTENT:
             if step + 1 < last:
-                _grid_barrier(bar_ptr + step, programs)
+                _grid_barrier(bar_ptr + step, target, bar_ptr + last, SPIN_LIMIT)
         step += 1
 
 
@@ -341,19 +357,26 @@ BN = {"qkv": 32, "o": 16, "up": 32, "down": 16, "head": 16}
 
 
 def barrier_counters(forwards: int, layers: int, device) -> Tensor:
-    """Zeroed arrival counters for `forwards` persistent launches (one row each): one memset for a whole frame."""
-    return torch.zeros(forwards, steps(layers), device=device, dtype=torch.int32)
+    """Zeroed counters for `forwards` persistent launches (one row of counter_slots each): one memset a frame."""
+    return torch.zeros(forwards, counter_slots(layers), device=device, dtype=torch.int32)
+
+
+def barrier_timeouts(counters: Tensor) -> int:
+    """Barrier timeouts the launches that used `counters` counted (reads the device: for checks, not steps)."""
+    return int(counters[..., -1].sum())
 
 
 def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_cache: Tensor, v_cache: Tensor,
                slots: Tensor, positions: Tensor, final_norm: Tensor, head: Tensor, mode: str,
-               counters: Tensor | None = None, programs: int | None = None) -> Tensor:
+               counters: Tensor | None = None, programs: int | None = None, barrier_target: int | None = None,
+               spin_limit: int = SPIN_LIMIT) -> Tensor:
     """One forward of the decoder stack `stack` and its head: the logits [B, V] of each row's last token.
 
     x [B, T, H] (contiguous, the stack's input); cos, sin_signed [B, T, D] (unit last stride); k_cache, v_cache
     [L, slots, Hkv, C, D] (C <= 64); slots [B]; positions [B, T]; final_norm [H]; head [V, H]. mode: "phased" or
-    "persistent"; counters [>= steps] int32, zero (persistent; None: allocated here); programs: the persistent
-    grid (None: one per multiprocessor on CUDA, 1 elsewhere)."""
+    "persistent"; counters [counter_slots] int32, zero (persistent; None: allocated here; barrier_timeouts reads
+    them after); programs: the persistent grid (None: one per multiprocessor on CUDA, 1 elsewhere);
+    barrier_target, spin_limit (tests): the arrivals a barrier waits for (None: every program) and its polls."""
     weights = stacked_layers(stack)
     cfg = stack.cfg
     B, T, H = x.shape
@@ -375,7 +398,7 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
     out = torch.empty(B, V, device=dev, dtype=dtype)
     n_steps = steps(L)
     if mode == "persistent" and counters is None:
-        counters = torch.zeros(n_steps, device=dev, dtype=torch.int32)
+        counters = torch.zeros(counter_slots(L), device=dev, dtype=torch.int32)
     args = (x, h, qkv, attn, act, out, counters if counters is not None else slots,
             weights.input_norm, weights.qkv, weights.q_norm, weights.k_norm, weights.o, weights.post_norm,
             weights.gate_up, weights.down, final_norm, head,
@@ -386,19 +409,21 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
                 BLOCK_B=max(16, triton.next_power_of_2(B)), BLOCK_QM=max(16, triton.next_power_of_2(T * HQ // HKV)),
                 BLOCK_T=max(2, triton.next_power_of_2(T)), BLOCK_C=max(16, triton.next_power_of_2(C)),
                 BLOCK_K=BLOCK_K, BN_QKV=BN["qkv"], BN_O=BN["o"], BN_UP=BN["up"], BN_DOWN=BN["down"],
-                BN_HEAD=BN["head"], IEEE=dtype == torch.float32, num_warps=4, **launch_options(dev))
+                BN_HEAD=BN["head"], SPIN_LIMIT=spin_limit, IEEE=dtype == torch.float32, num_warps=4,
+                **launch_options(dev))
     eps, scale = stack.norm.eps, D**-0.5
     if mode == "persistent":
         if programs is None:
             programs = _multiprocessors(dev) if dev.type == "cuda" else 1
-        _cp_forward_kernel[(programs,)](*args, 0, n_steps, eps, scale, PERSISTENT=True, **meta)
+        target = programs if barrier_target is None else barrier_target
+        _cp_forward_kernel[(programs,)](*args, 0, n_steps, target, eps, scale, PERSISTENT=True, **meta)
         return out
     nqkv = (HQ + 2 * HKV) * D
     tiles = (triton.cdiv(nqkv, BN["qkv"]), B * HKV, triton.cdiv(H, BN["o"]), triton.cdiv(FF, BN["up"]),
              triton.cdiv(H, BN["down"]))
     for step in range(n_steps):
         grid = triton.cdiv(V, BN["head"]) if step == n_steps - 1 else tiles[step % PHASES]
-        _cp_forward_kernel[(grid,)](*args, step, step + 1, eps, scale, PERSISTENT=False, **meta)
+        _cp_forward_kernel[(grid,)](*args, step, step + 1, grid, eps, scale, PERSISTENT=False, **meta)
     return out
 
 

@@ -221,7 +221,7 @@ def cp_forward_checks(loaded, sizes: Sizes, time_it: bool) -> list[dict]:
     path, on the loaded model's weights and dtype: the logits and the caches written, each measured against a float32
     copy of the model (a case passes within its dtype's tolerance or no less accurate than the model's own path);
     persistent must equal phased exactly (the same arithmetic in the same order), over 20 launches (a barrier that
-    let a program run ahead would show as a difference; sizes.cp_repeats)."""
+    let a program run ahead would show as a difference; sizes.cp_repeats) and count no barrier timeout."""
     import copy
 
     from engine.kernels import cp_forward as cf
@@ -242,13 +242,19 @@ def cp_forward_checks(loaded, sizes: Sizes, time_it: bool) -> list[dict]:
                          generator=g)
         v0 = torch.randn(k0.shape, device=DEVICE, generator=g)
 
-        def call(model, mode, dt, x=x, positions=positions, slots=slots, k0=k0, v0=v0):
+        counters = cf.barrier_counters(1 + sizes.cp_repeats, cfg.num_layers, DEVICE)
+        launches = iter(counters)
+
+        def call(model, mode, dt, x=x, positions=positions, slots=slots, k0=k0, v0=v0, launches=launches):
             cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dt)
             k, v = k0.to(dt), v0.to(dt)
             args = (model.model, x.to(dt), cos, signed_sin(sin), k, v, slots, positions, model.model.norm.weight,
                     model.lm_head[2].weight)
             with torch.inference_mode():
-                logits = cf.cp_forward(*args, mode) if mode != "model" else cf.cp_forward_reference(*args)
+                if mode == "model":
+                    logits = cf.cp_forward_reference(*args)
+                else:
+                    logits = cf.cp_forward(*args, mode, next(launches) if mode == "persistent" else None)
             return (logits, k, v), args
 
         truth, _ = call(cp32, "model", torch.float32)
@@ -259,11 +265,12 @@ def cp_forward_checks(loaded, sizes: Sizes, time_it: bool) -> list[dict]:
         err = max(_rel_err(a, b) for a, b in zip(persistent, truth, strict=True))
         own_err = max(_rel_err(a, b) for a, b in zip(own, truth, strict=True))
         exact = all(torch.equal(a, b) for a, b in zip(persistent, phased, strict=True))
+        timeouts = cf.barrier_timeouts(counters)
         stable = all(torch.equal(r[0], persistent[0]) for r in again)
         row = {"kernel": "cp_forward", "shape": f"B{B} T{T} from position {start}", "dtype": str(dtype).removeprefix(
             "torch."), "rel_err": err, "torch_rel_err": own_err, "persistent_equals_phased": exact,
-            "persistent_repeats_equal": stable,
-            "ok": exact and stable and (err <= TOLERANCE[dtype] or err <= 2 * own_err)}
+            "persistent_repeats_equal": stable, "barrier_timeouts": timeouts,
+            "ok": exact and stable and not timeouts and (err <= TOLERANCE[dtype] or err <= 2 * own_err)}
         if time_it:
             row["kernel_us"] = _bench_us(lambda args=args: cf.cp_forward(*args, "persistent"))
             row["phased_us"] = _bench_us(lambda args=args: cf.cp_forward(*args, "phased"))
