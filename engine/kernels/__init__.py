@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import asdict
 
 import torch
 
@@ -123,9 +124,10 @@ def kernels_status() -> dict:
 
         # the Code Predictor's attention: one launch a layer, or two (qk_norm_rope_store, cache_attention)
         status["short_attention"] = {"on": short_attention_on(), "switch": SHORT_ATTENTION_ENV}
-        from engine.kernels.cp_forward import CP_FORWARD_ENV, cp_forward_mode
+        from engine.kernels.cp_forward import CP_FORWARD_ENV, TILES_ENV, Tiles, cp_forward_mode
 
         # the Code Predictor's forward: the layer-by-layer kernels ("off"), 26 launches ("phased") or one
-        status["cp_forward"] = {"mode": cp_forward_mode(), "switch": CP_FORWARD_ENV}
+        status["cp_forward"] = {"mode": cp_forward_mode(), "switch": CP_FORWARD_ENV,
+                                "tiles": asdict(Tiles.from_env()), "tiles_switch": TILES_ENV}
     status["pdl"] = pdl_status()
     return status

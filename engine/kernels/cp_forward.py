@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -352,8 +353,45 @@ def _multiprocessors(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-BLOCK_K = 128
-BN = {"qkv": 32, "o": 16, "up": 32, "down": 16, "head": 16}
+# e.g. "qkv=64,o=16,k=256,warps=8" (or "/" between items, for bench/gpu_round.sh's VARIANTS): a shape to measure
+TILES_ENV = "VOICELANE_CP_FORWARD_TILES"
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The launch shape: output columns per work item of each GEMM step, K per loop block, warps and pipeline stages.
+    The defaults are a first guess (every step's items fill 64 to 128 of the H200's 132 multiprocessors at B1), to
+    be replaced by what the H200 measures; TILES_ENV overrides any of them."""
+
+    qkv: int = 32
+    o: int = 16
+    up: int = 32
+    down: int = 16
+    head: int = 16
+    k: int = 128
+    warps: int = 4
+    stages: int = 3
+
+    @classmethod
+    def from_env(cls) -> Tiles:
+        text = os.environ.get(TILES_ENV, "").strip()
+        if not text:
+            return cls()
+        names = {f.name for f in fields(cls)}
+        values = {}
+        for item in text.replace("/", ",").split(","):
+            name, _, value = item.partition("=")
+            if name.strip() not in names or not value.strip().isdigit():
+                raise ValueError(f"{TILES_ENV}={text!r}: items name=value, names {', '.join(sorted(names))}")
+            values[name.strip()] = int(value)
+        tiles = cls(**values)
+        for name in ("qkv", "o", "up", "down", "head", "k"):
+            size = getattr(tiles, name)
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"{TILES_ENV}: {name}={size} must be a power of two >= 16 (a tensor-core tile)")
+        if tiles.warps not in (1, 2, 4, 8, 16) or not 1 <= tiles.stages <= 6:
+            raise ValueError(f"{TILES_ENV}: warps {tiles.warps} (1-16, a power of two), stages {tiles.stages} (1-6)")
+        return tiles
 
 
 def barrier_counters(forwards: int, layers: int, device) -> Tensor:
@@ -369,15 +407,17 @@ def barrier_timeouts(counters: Tensor) -> int:
 def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_cache: Tensor, v_cache: Tensor,
                slots: Tensor, positions: Tensor, final_norm: Tensor, head: Tensor, mode: str,
                counters: Tensor | None = None, programs: int | None = None, barrier_target: int | None = None,
-               spin_limit: int = SPIN_LIMIT) -> Tensor:
+               spin_limit: int = SPIN_LIMIT, tiles: Tiles | None = None) -> Tensor:
     """One forward of the decoder stack `stack` and its head: the logits [B, V] of each row's last token.
 
     x [B, T, H] (contiguous, the stack's input); cos, sin_signed [B, T, D] (unit last stride); k_cache, v_cache
     [L, slots, Hkv, C, D] (C <= 64); slots [B]; positions [B, T]; final_norm [H]; head [V, H]. mode: "phased" or
     "persistent"; counters [counter_slots] int32, zero (persistent; None: allocated here; barrier_timeouts reads
     them after); programs: the persistent grid (None: one per multiprocessor on CUDA, 1 elsewhere);
-    barrier_target, spin_limit (tests): the arrivals a barrier waits for (None: every program) and its polls."""
+    barrier_target, spin_limit (tests): the arrivals a barrier waits for (None: every program) and its polls;
+    tiles: the launch shape (None: Tiles.from_env())."""
     weights = stacked_layers(stack)
+    tiles = tiles if tiles is not None else Tiles.from_env()
     cfg = stack.cfg
     B, T, H = x.shape
     L, HQ, HKV, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -408,9 +448,9 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
     meta = dict(L=L, H=H, HQ=HQ, HKV=HKV, D=D, FF=FF, V=V, BLOCK_M=max(16, triton.next_power_of_2(M)),
                 BLOCK_B=max(16, triton.next_power_of_2(B)), BLOCK_QM=max(16, triton.next_power_of_2(T * HQ // HKV)),
                 BLOCK_T=max(2, triton.next_power_of_2(T)), BLOCK_C=max(16, triton.next_power_of_2(C)),
-                BLOCK_K=BLOCK_K, BN_QKV=BN["qkv"], BN_O=BN["o"], BN_UP=BN["up"], BN_DOWN=BN["down"],
-                BN_HEAD=BN["head"], SPIN_LIMIT=spin_limit, IEEE=dtype == torch.float32, num_warps=4,
-                **launch_options(dev))
+                BLOCK_K=tiles.k, BN_QKV=tiles.qkv, BN_O=tiles.o, BN_UP=tiles.up, BN_DOWN=tiles.down,
+                BN_HEAD=tiles.head, SPIN_LIMIT=spin_limit, IEEE=dtype == torch.float32, num_warps=tiles.warps,
+                num_stages=tiles.stages, **launch_options(dev))
     eps, scale = stack.norm.eps, D**-0.5
     if mode == "persistent":
         if programs is None:
@@ -419,10 +459,10 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
         _cp_forward_kernel[(programs,)](*args, 0, n_steps, target, eps, scale, PERSISTENT=True, **meta)
         return out
     nqkv = (HQ + 2 * HKV) * D
-    tiles = (triton.cdiv(nqkv, BN["qkv"]), B * HKV, triton.cdiv(H, BN["o"]), triton.cdiv(FF, BN["up"]),
-             triton.cdiv(H, BN["down"]))
+    items = (triton.cdiv(nqkv, tiles.qkv), B * HKV, triton.cdiv(H, tiles.o), triton.cdiv(FF, tiles.up),
+             triton.cdiv(H, tiles.down))
     for step in range(n_steps):
-        grid = triton.cdiv(V, BN["head"]) if step == n_steps - 1 else tiles[step % PHASES]
+        grid = triton.cdiv(V, tiles.head) if step == n_steps - 1 else items[step % PHASES]
         _cp_forward_kernel[(grid,)](*args, step, step + 1, grid, eps, scale, PERSISTENT=False, **meta)
     return out
 
