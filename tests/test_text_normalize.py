@@ -148,3 +148,16 @@ def test_holds_gap_only_while_the_space_after_a_word_waits():
     n.feed("\n")
     assert n.holds_gap
     assert not LlmTextNormalizer("none").holds_gap
+
+
+def test_plain_run_regex_is_the_plain_rule_on_every_code_point():
+    """The normaliser takes plain text a regex match at a time (_PLAIN_RUN); _plain is the rule, per character.
+    Every code point, after a word character and after a space (which decides h/H/w/W, a URL's possible start)."""
+    from server.text import normalize as n
+
+    for cp in range(0x110000):
+        if 0xD800 <= cp <= 0xDFFF:
+            continue
+        ch = chr(cp)
+        for before in ("a", " "):
+            assert (n._PLAIN_RUN.match(before + ch, 1).end() == 2) == n._plain(ch, before), (hex(cp), before)

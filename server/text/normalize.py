@@ -150,6 +150,18 @@ class _Whitespace:
             self.started = True
             self.gap_space = self.gap_newline = self.gap_mark = False
 
+    def push_run(self, text: str) -> None:
+        """push() of each character of a plain run (no removal mark): its words go out whole."""
+        for word in _WORDS_AND_GAPS.findall(text):
+            self.push(word[0])
+            if len(word) > 1:
+                if word[0].isspace():
+                    for ch in word[1:]:
+                        self.push(ch)
+                else:  # after a visible character with no gap, push() would only append
+                    self.out.append(word[1:])
+                    self.last = word[-1]
+
     def take(self) -> str:
         text = "".join(self.out)
         self.out.clear()
@@ -233,10 +245,12 @@ class LlmTextNormalizer:
     def _take(self, count: int, text: str = "") -> None:
         """Advance over `count` input characters (tracking the flanking context) and emit `text` in their place;
         None, so that a step can end with `return self._take(...)`."""
-        for ch in self._buf[self._pos:self._pos + count]:
-            self._prev = ch
-            if not ch.isspace():
-                self._prev_visible = ch
+        taken = self._buf[self._pos:self._pos + count]
+        if taken:
+            self._prev = taken[-1]
+            visible = taken.rstrip()  # str.rstrip() strips exactly what str.isspace() calls space
+            if visible:
+                self._prev_visible = visible[-1]
         self._pos += count
         self._emit(text)
 
@@ -417,11 +431,12 @@ class LlmTextNormalizer:
             return self._take(1, c)
         if c in "hHwW" and not _is_alnum(self._prev):
             return self._url(eof)
-        # Plain text: take the run up to the next character that could start something.
-        k = i + 1
-        while k < n and _plain(buf[k], buf[k - 1]):
-            k += 1
-        return self._take(k - i, buf[i:k])
+        # Plain text: take the run up to the next character that could start something (one regex match, not a
+        # Python step per character: this loop is most of a request's text time).
+        k = _PLAIN_RUN.match(buf, i + 1).end()
+        self._take(k - i)
+        self._ws.push_run(buf[i:k])
+        return None
 
     def _delimiter(self, c: str, eof: bool):
         buf, i, n = self._buf, self._pos, len(self._buf)
@@ -489,8 +504,25 @@ class LlmTextNormalizer:
 _SPECIAL = frozenset("\n\r`\\*_~#![<&")
 
 
+def _plain_run_pattern() -> re.Pattern:
+    """A run of characters that `_plain` passes, as one regex: never special, emoji, a ZWJ, invisible or a control
+    character; h/H/w/W only after a word character (re's \\w is str.isalnum() or "_", _is_alnum's test)."""
+    def char(cp: int) -> str:
+        return re.escape(chr(cp))
+
+    never = [char(ord(c)) for c in sorted(_SPECIAL | set("hHwW\u200d"))]
+    never += [f"{char(lo)}-{char(hi)}" for lo, hi in ((0x00, 0x1F), (0x7F, 0x9F), *_EMOJI_RANGES)]
+    never += [char(cp) for cp in sorted(_INVISIBLE)]
+    return re.compile(f"(?:[^{''.join(never)}]|(?<=\\w)[hHwW])*")
+
+
+_PLAIN_RUN = _plain_run_pattern()
+_WORDS_AND_GAPS = re.compile(r"\S+|\s+")
+
+
 def _plain(ch: str, before: str) -> bool:
-    """Whether `ch` (following `before`) can be emitted as plain text without a closer look."""
+    """Whether `ch` (following `before`) can be emitted as plain text without a closer look: the readable rule that
+    _PLAIN_RUN implements (tests/test_text_normalize.py holds them equal on every code point)."""
     if ch in _SPECIAL or _is_emoji(ch) or ch == "\u200d":
         return False
     if ch in "hHwW" and not _is_alnum(before):
