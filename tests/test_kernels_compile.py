@@ -21,28 +21,32 @@ from triton.compiler import ASTSource  # noqa: E402
 H200 = GPUTarget("cuda", 90, 32)
 
 
-def _compile(fn, dtype: str, constexprs: dict, pointers: dict[str, str] | None = None) -> None:
+def _compile(fn, dtype: str, constexprs: dict, pointers: dict[str, str] | None = None, aligned: bool = False) -> None:
     """Compile `fn` with every `*_ptr` argument of `dtype` (unless `pointers` says otherwise), ints as i32,
     eps and scale as fp32; a kernel with a GDC constexpr twice: without and with programmatic dependent launch,
-    whose PTX must then wait for the kernel before (and let the next one launch)."""
+    whose PTX must then wait for the kernel before (and let the next one launch). aligned: every pointer and
+    stride (`s_*`) known to be a multiple of 16, as the launcher specialises torch's allocations (without it the
+    compiler cannot vectorise loads or pipeline a loop's copies)."""
     if any(p.name == "GDC" for p in fn.params) and "GDC" not in constexprs:
-        _compile(fn, dtype, constexprs | {"GDC": False}, pointers)
-        ptx = _compile(fn, dtype, constexprs | {"GDC": True}, pointers)
+        _compile(fn, dtype, constexprs | {"GDC": False}, pointers, aligned)
+        ptx = _compile(fn, dtype, constexprs | {"GDC": True}, pointers, aligned)
         assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
         return ptx
     pointers = pointers or {}
-    signature = {}
-    for p in fn.params:
+    signature, attrs = {}, {}
+    for i, p in enumerate(fn.params):
         if p.is_constexpr:
             signature[p.name] = "constexpr"
         elif p.name.endswith("_ptr"):
             signature[p.name] = pointers.get(p.name, f"*{dtype}")
         else:
             signature[p.name] = "fp32" if p.name in ("eps", "scale") else "i32"
+        if aligned and not p.is_constexpr and (p.name.endswith("_ptr") or p.name.startswith("s_")):
+            attrs[(i,)] = [["tt.divisibility", 16]]
     missing = {n for n, t in signature.items() if t == "constexpr"} - constexprs.keys()
     assert not missing, f"constexprs not given: {missing}"
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=H200,
-                              options={"num_warps": 4})
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=H200,
+                              options={"num_warps": 4, "num_stages": 3})
     assert compiled.asm["cubin"]
     return compiled.asm["ptx"]
 
@@ -130,9 +134,11 @@ def compile_cp_forward(dtype: str) -> None:
     for persistent, block_m, block_b, block_qm, block_t in ((True, 16, 16, 16, 2), (False, 64, 64, 16, 2)):
         ptx = _compile(cp_forward._cp_forward_kernel, dtype,
                        geometry | {"BLOCK_M": block_m, "BLOCK_B": block_b, "BLOCK_QM": block_qm, "BLOCK_T": block_t,
-                                   "PERSISTENT": persistent}, pointers)
+                                   "PERSISTENT": persistent}, pointers, aligned=True)
         # the grid barrier: arrivals released, the wait acquired (an acquire load), at GPU scope; none without it
         assert ("atom.global.gpu.release" in ptx and "ld.global.gpu.acquire" in ptx) == persistent, persistent
+        # one program per multiprocessor streams its weights only if its K loops are pipelined (async copies)
+        assert "cp.async" in ptx
 
 
 def _in_fresh_python(what: str, dtype: str) -> None:
