@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,7 @@ log = logging.getLogger("voicelane.graphs")
 class GraphCaptureError(RuntimeError):
     """A stage could not be captured; the runner then serves eagerly and says so (log and /ready)."""
 
+CAPTURED_STAGES = ("prefill", "code_predictor", "talker", "codec")  # the stages with graphs of their own
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # Positions a prefill graph runs (the prompt after a cached prefix: one in the dual layout); longer ones (long
 # whole-layout text) prefill eagerly, as /ready says.
@@ -226,18 +227,27 @@ class StageGraphs:
         (pcm,) = self.cd.run_split(self.buckets, key, {"slots": slots, "codes": codes, "valid": valid})
         return (pcm[:, : t * self.samples_per_frame],)
 
-    def capture_all(self) -> tuple[int, float]:
-        """Capture every (bucket, key) now, so no request ever waits for a capture. Returns (graphs, seconds)."""
+    def capture_all(self, stages: Collection[str] = CAPTURED_STAGES) -> tuple[int, float]:
+        """Capture every (bucket, key) of `stages` now, so no request ever waits for a capture (a tool that times
+        some stages only captures theirs: a cold GPU compiles every kernel of every bucket it captures). Returns
+        (graphs captured so far, seconds)."""
+        unknown = set(stages) - set(CAPTURED_STAGES)
+        if unknown:
+            raise ValueError(f"capture_all: unknown stages {sorted(unknown)}; choose from {CAPTURED_STAGES}")
         t0 = time.monotonic()
-        for b in self.prefill_buckets:
-            for key in self.prefill_lengths:
-                self.pf._entry(b, key)
+        if "prefill" in stages:
+            for b in self.prefill_buckets:
+                for key in self.prefill_lengths:
+                    self.pf._entry(b, key)
         for b in self.buckets:
-            self.cp._entry(b, None)
-            for key in self.kv_buckets:
-                self.tk._entry(b, key)
-            for key in self.chunks:
-                self.cd._entry(b, key)
+            if "code_predictor" in stages:
+                self.cp._entry(b, None)
+            if "talker" in stages:
+                for key in self.kv_buckets:
+                    self.tk._entry(b, key)
+            if "codec" in stages:
+                for key in self.chunks:
+                    self.cd._entry(b, key)
         if self.mode == "cuda":
             torch.cuda.synchronize()
         return self.pf.count + self.cp.count + self.tk.count + self.cd.count, time.monotonic() - t0

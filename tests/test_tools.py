@@ -8,6 +8,7 @@ import sys
 import wave
 
 import numpy as np
+import pytest
 import torch
 
 from engine.model.codec_layers import layout_choice
@@ -71,6 +72,22 @@ def test_profile_stages_times_and_counts_every_stage(tmp_path):
         top = r["top_kernels"]
         assert top and [k["total_us"] for k in top] == sorted((k["total_us"] for k in top), reverse=True)
         assert sum(k["count"] for k in top) <= r["kernels"] and all(k["name"].startswith("aten::") for k in top)
+
+
+def test_profile_stages_captures_the_graphs_of_the_stages_it_times():
+    """A cold GPU compiles every kernel of every graph captured: timing the Code Predictor alone captures its graphs
+    only (one per batch bucket); the first-audio chain needs the prefill's, the Code Predictor's and the codec's."""
+    from engine.model_source import load_model
+    from engine.tools.profile_stages import StageProfiler
+
+    loaded = load_model("tiny-random", "cpu", torch.float32)
+    alone = StageProfiler(loaded, "emulate", 3, 8, frozenset({"code_predictor"}))
+    assert alone.graphs_captured == len(alone.runner.graphs.buckets) > 0
+    every = StageProfiler(loaded, "emulate", 3, 8).graphs_captured
+    chain = StageProfiler(loaded, "emulate", 3, 8, frozenset({"prefill", "code_predictor", "codec"})).graphs_captured
+    assert alone.graphs_captured < chain < every
+    with pytest.raises(ValueError, match="unknown stages"):
+        alone.runner.graphs.capture_all({"first_audio"})
 
 
 def test_profile_stages_measures_the_codec_in_every_layout(tmp_path):

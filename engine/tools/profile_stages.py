@@ -34,7 +34,7 @@ import time
 import torch
 
 from engine.config import EngineConfig, SchedulerConfig
-from engine.graphs import GraphCaptureError
+from engine.graphs import CAPTURED_STAGES, GraphCaptureError
 from engine.model.codec_layers import LAYOUTS
 from engine.model.prompt import build_prompt, resolve_voice
 from engine.model.sampling_params import SamplingParams
@@ -100,15 +100,17 @@ def _time(fn, repeat: int) -> float:
 
 
 class StageProfiler:
-    def __init__(self, loaded, graphs: str, max_slots: int, prompt_cap: int):
+    def __init__(self, loaded, graphs: str, max_slots: int, prompt_cap: int,
+                 stages: frozenset[str] = frozenset(CAPTURED_STAGES)):
         self.loaded = loaded
         cfg = EngineConfig(scheduler=SchedulerConfig(max_slots=max_slots), max_frames=256,
                            max_prompt_tokens=max(prompt_cap + 32, 256),  # the server's prefill graphs
                            cuda_graphs=graphs)
         self.runner = Runner(loaded, cfg)
         self.prefix_cache, self.no_prefix_cache = self.runner.prefix_cache, PrefixLRU(0, 0)
-        if self.runner.graphs is not None:
-            self.runner.graphs.capture_all()  # GraphCaptureError propagates: "on" must not silently mean eager
+        self.graphs_captured = 0
+        if self.runner.graphs is not None:  # GraphCaptureError propagates: "on" must not silently mean eager
+            self.graphs_captured = self.runner.graphs.capture_all(stages)[0]
         self.voice = resolve_voice(loaded.config, next(iter(loaded.config.talker.speaker_ids)), "auto")
         self.sampling = SamplingParams(seed=1, max_frames=256)
         self.check_syncs = False  # from the second call of a stage on (first calls may initialise lazily)
@@ -159,7 +161,10 @@ STAGES = frozenset({"prefill", "talker", "code_predictor", "codec", "first_audio
 def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chunks: list[int],
             repeat: int, cached_lens: list[int] = (), stages: frozenset[str] = STAGES) -> list[dict]:
     """Rows for each of `stages`, with the codec in loaded.codec's layout."""
-    p = StageProfiler(loaded, graphs, max(batches), max([*prompt_lens, *cached_lens]))
+    # only the graphs of what is timed: the first-audio chain runs the prefill's, the Code Predictor's and the codec's
+    captured = {"prefill", "code_predictor", "codec"} if "first_audio" in stages else set()
+    p = StageProfiler(loaded, graphs, max(batches), max([*prompt_lens, *cached_lens]),
+                      frozenset(captured | (stages & set(CAPTURED_STAGES))))
     rows = []
     layout = loaded.codec.layout
 
