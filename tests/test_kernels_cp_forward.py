@@ -121,12 +121,13 @@ def test_another_launch_shape_gives_the_same_forward(code_predictor, monkeypatch
     """VOICELANE_CP_FORWARD_TILES (a launch shape to measure on the H200) changes how the work is cut, not what is
     computed; a shape that cannot be a tensor-core tile is refused by name."""
     default = _run(code_predictor, "phased", 2, 2, 0, torch.float32)
-    monkeypatch.setenv(cf.TILES_ENV, "qkv=64,o=32,up=16,down=32/head=64/k=16,warps=2,stages=2")
-    assert cf.Tiles.from_env() == cf.Tiles(qkv=64, o=32, up=16, down=32, head=64, k=16, warps=2, stages=2)
+    monkeypatch.setenv(cf.TILES_ENV, "qkv=64,residual=32,up=16/head=64/k=16,warps=2,stages=2")
+    assert cf.Tiles.from_env() == cf.Tiles(qkv=64, residual=32, up=16, head=64, k=16, warps=2, stages=2)
     assert kernels.kernels_status()["cp_forward"]["tiles"]["qkv"] == 64  # /ready
     for ours, theirs in zip(_run(code_predictor, "persistent", 2, 2, 0, torch.float32), default, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=2e-5, atol=2e-5)
-    for bad, message in (("o=24", "power of two"), ("warps=3", "warps 3"), ("block=64", "names"), ("qkv=x", "names")):
+    for bad, message in (("residual=24", "power of two"), ("warps=3", "warps 3"), ("block=64", "names"),
+                         ("qkv=x", "names")):
         monkeypatch.setenv(cf.TILES_ENV, bad)
         with pytest.raises(ValueError, match=message):
             cf.Tiles.from_env()

@@ -19,6 +19,10 @@ Two ways to run the same steps (VOICELANE_CP_FORWARD):
   mode, and the persistent mode with a single program (whose barrier is its own arrival).
 - "off" (the default until measured on the H200): the layer-by-layer kernels of engine/model/layers.py.
 
+The steps that end in the residual add (o, down) also leave each row's sum of squares per column tile, so an
+RMSNorm prologue reads a few partials a row instead of every program re-reading the whole residual (at 64 rows that
+was 128 KB per program per norm).
+
 Rounding follows engine/model/layers.py op by op (the norms' fp32 statistics and rounded products, the residual
 sums rounded to the activation dtype, SwiGLU rounded before its multiply), so the reference of a forward is the
 model's own path: `DecoderStack.run` then `dense(h, lm_head)`.
@@ -138,15 +142,31 @@ def _store_tile(y_ptr, row_stride, rows, n0, N, y, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _residual_tile(res_ptr, rows, n0, N: tl.constexpr, acc, out_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _residual_tile(res_ptr, rows, tile, N: tl.constexpr, acc, out_ptr, sumsq_ptr, TILES: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[:, tile] = (acc rounded) + res[:, tile], rounded: the residual add of add_rms_norm. In place is fine
-    (res_ptr == out_ptr): a tile's columns belong to one program."""
+    (res_ptr == out_ptr): a tile's columns belong to one program. The tile's share of each row's sum of squares
+    goes to sumsq[row, tile] ([rows, TILES] fp32), so the RMSNorm after it reads TILES partials a row instead of
+    the whole row in every program (_rstd_from_partials)."""
     rm = tl.arange(0, BLOCK_M)
-    rn = n0 + tl.arange(0, BLOCK_N)
+    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rm < rows)[:, None] & (rn < N)[None, :]
     res = tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0, cache_modifier=".cg")
     y = (acc.to(res.dtype).to(tl.float32) + res.to(tl.float32)).to(res.dtype)
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], y, mask=ok)
+    f = tl.where(ok, y.to(tl.float32), 0.0)
+    tl.store(sumsq_ptr + rm * TILES + tile, tl.sum(f * f, axis=1), mask=rm < rows)
+
+
+@triton.jit
+def _rstd_from_partials(sumsq_ptr, row_stride, rows, tiles, K: tl.constexpr, eps, BLOCK_M: tl.constexpr,
+                        BLOCK_TILES: tl.constexpr):
+    """_row_rstd from the `tiles` partial sums of squares a row that _residual_tile left ([BLOCK_M])."""
+    rm = tl.arange(0, BLOCK_M)
+    rt = tl.arange(0, BLOCK_TILES)
+    ok = (rm < rows)[:, None] & (rt < tiles)[None, :]
+    parts = tl.load(sumsq_ptr + rm[:, None] * row_stride + rt[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+    return tl.rsqrt(tl.sum(parts, axis=1) / K + eps)
 
 
 @triton.jit
@@ -194,7 +214,7 @@ def _attention_item(b, kvh, T, qkv_ptr, attn_ptr, qn_ptr, kn_ptr, cos_ptr, sin_p
 
 
 @triton.jit
-def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr,
+def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr, sumsq_ptr,
                        w_in_ptr, w_qkv_ptr, w_qn_ptr, w_kn_ptr, w_o_ptr, w_post_ptr, w_gu_ptr, w_down_ptr,
                        w_final_ptr, w_head_ptr,
                        kc_ptr, vc_ptr, s_kl, s_cs, s_ch, s_cl, cos_ptr, sin_ptr, s_cb, s_ct, s_sb, s_st,
@@ -202,14 +222,17 @@ def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_pt
                        L: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                        FF: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
                        BLOCK_QM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_UP: tl.constexpr, BN_DOWN: tl.constexpr,
-                       BN_HEAD: tl.constexpr, PERSISTENT: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+                       BN_QKV: tl.constexpr, BN_RES: tl.constexpr, BN_UP: tl.constexpr,
+                       BN_HEAD: tl.constexpr, BLOCK_TILES: tl.constexpr, PERSISTENT: tl.constexpr,
+                       SPIN_LIMIT: tl.constexpr,
                        IEEE: tl.constexpr, GDC: tl.constexpr):
     wait_inputs(GDC)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     M = B * T
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+    # the residual's partial sums of squares: one per column tile of the two steps that end in the residual add
+    H_TILES: tl.constexpr = (H + BN_RES - 1) // BN_RES
     # while loops: triton 3.6's interpreter cannot take a runtime scalar as a range() bound (numpy >= 2)
     step = first
     while step < last:
@@ -217,7 +240,8 @@ def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_pt
         phase = step % 5
         if layer == L:  # the head, on each batch row's last token (row stride T * H)
             last_tokens = h_ptr + (T - 1) * H
-            rstd = _row_rstd(last_tokens, T * H, B, H, eps, BLOCK_B, BLOCK_K)
+            rstd = _rstd_from_partials(sumsq_ptr + (T - 1) * H_TILES, T * H_TILES, B, H_TILES, H, eps, BLOCK_B,
+                                       BLOCK_TILES)
             tile = pid
             while tile < tl.cdiv(V, BN_HEAD):
                 acc = _matmul_tile(last_tokens, T * H, B, H, w_final_ptr, rstd, w_head_ptr, tile * BN_HEAD, V, True,
@@ -230,7 +254,10 @@ def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_pt
             if layer == 0:
                 residual = x_ptr  # the stack's input is the first residual
             if phase == 0:
-                rstd = _row_rstd(residual, H, M, H, eps, BLOCK_M, BLOCK_K)
+                if layer == 0:
+                    rstd = _row_rstd(x_ptr, H, M, H, eps, BLOCK_M, BLOCK_K)
+                else:
+                    rstd = _rstd_from_partials(sumsq_ptr, H_TILES, M, H_TILES, H, eps, BLOCK_M, BLOCK_TILES)
                 tile = pid
                 while tile < tl.cdiv(NQKV, BN_QKV):
                     acc = _matmul_tile(residual, H, M, H, w_in_ptr + at_layer * H, rstd,
@@ -249,13 +276,13 @@ def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_pt
                     item += programs
             elif phase == 2:
                 tile = pid
-                while tile < tl.cdiv(H, BN_O):
+                while tile < tl.cdiv(H, BN_RES):
                     acc = _matmul_tile(attn_ptr, HQ * D, M, HQ * D, w_in_ptr, 0.0, w_o_ptr + at_layer * H * HQ * D,
-                                       tile * BN_O, H, False, BLOCK_M, BN_O, BLOCK_K, IEEE)
-                    _residual_tile(residual, M, tile * BN_O, H, acc, h_ptr, BLOCK_M, BN_O)
+                                       tile * BN_RES, H, False, BLOCK_M, BN_RES, BLOCK_K, IEEE)
+                    _residual_tile(residual, M, tile, H, acc, h_ptr, sumsq_ptr, H_TILES, BLOCK_M, BN_RES)
                     tile += programs
             elif phase == 3:
-                rstd = _row_rstd(h_ptr, H, M, H, eps, BLOCK_M, BLOCK_K)
+                rstd = _rstd_from_partials(sumsq_ptr, H_TILES, M, H_TILES, H, eps, BLOCK_M, BLOCK_TILES)
                 tile = pid
                 while tile < tl.cdiv(FF, BN_UP):
                     up_w = w_gu_ptr + at_layer * 2 * FF * H
@@ -269,10 +296,10 @@ def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_pt
                     tile += programs
             else:
                 tile = pid
-                while tile < tl.cdiv(H, BN_DOWN):
+                while tile < tl.cdiv(H, BN_RES):
                     acc = _matmul_tile(act_ptr, FF, M, FF, w_in_ptr, 0.0, w_down_ptr + at_layer * H * FF,
-                                       tile * BN_DOWN, H, False, BLOCK_M, BN_DOWN, BLOCK_K, IEEE)
-                    _residual_tile(h_ptr, M, tile * BN_DOWN, H, acc, h_ptr, BLOCK_M, BN_DOWN)
+                                       tile * BN_RES, H, False, BLOCK_M, BN_RES, BLOCK_K, IEEE)
+                    _residual_tile(h_ptr, M, tile, H, acc, h_ptr, sumsq_ptr, H_TILES, BLOCK_M, BN_RES)
                     tile += programs
         if PERSISTENT:
             if step + 1 < last:
@@ -364,9 +391,8 @@ class Tiles:
     be replaced by what the H200 measures; TILES_ENV overrides any of them."""
 
     qkv: int = 32
-    o: int = 16
+    residual: int = 16  # the o and down projections: the steps that end in the residual add (one tiling)
     up: int = 32
-    down: int = 16
     head: int = 16
     k: int = 128
     warps: int = 4
@@ -385,7 +411,7 @@ class Tiles:
                 raise ValueError(f"{TILES_ENV}={text!r}: items name=value, names {', '.join(sorted(names))}")
             values[name.strip()] = int(value)
         tiles = cls(**values)
-        for name in ("qkv", "o", "up", "down", "head", "k"):
+        for name in ("qkv", "residual", "up", "head", "k"):
             size = getattr(tiles, name)
             if size < 16 or size & (size - 1):
                 raise ValueError(f"{TILES_ENV}: {name}={size} must be a power of two >= 16 (a tensor-core tile)")
@@ -436,10 +462,12 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
     attn = torch.empty(M, HQ * D, device=dev, dtype=dtype)
     act = torch.empty(M, FF, device=dev, dtype=dtype)
     out = torch.empty(B, V, device=dev, dtype=dtype)
+    residual_tiles = triton.cdiv(H, tiles.residual)
+    sumsq = torch.empty(M, residual_tiles, device=dev, dtype=torch.float32)  # _residual_tile's partials
     n_steps = steps(L)
     if mode == "persistent" and counters is None:
         counters = torch.zeros(counter_slots(L), device=dev, dtype=torch.int32)
-    args = (x, h, qkv, attn, act, out, counters if counters is not None else slots,
+    args = (x, h, qkv, attn, act, out, counters if counters is not None else slots, sumsq,
             weights.input_norm, weights.qkv, weights.q_norm, weights.k_norm, weights.o, weights.post_norm,
             weights.gate_up, weights.down, final_norm, head,
             k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
@@ -448,8 +476,9 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
     meta = dict(L=L, H=H, HQ=HQ, HKV=HKV, D=D, FF=FF, V=V, BLOCK_M=max(16, triton.next_power_of_2(M)),
                 BLOCK_B=max(16, triton.next_power_of_2(B)), BLOCK_QM=max(16, triton.next_power_of_2(T * HQ // HKV)),
                 BLOCK_T=max(2, triton.next_power_of_2(T)), BLOCK_C=max(16, triton.next_power_of_2(C)),
-                BLOCK_K=tiles.k, BN_QKV=tiles.qkv, BN_O=tiles.o, BN_UP=tiles.up, BN_DOWN=tiles.down,
-                BN_HEAD=tiles.head, SPIN_LIMIT=spin_limit, IEEE=dtype == torch.float32, num_warps=tiles.warps,
+                BLOCK_K=tiles.k, BN_QKV=tiles.qkv, BN_RES=tiles.residual, BN_UP=tiles.up,
+                BN_HEAD=tiles.head, BLOCK_TILES=triton.next_power_of_2(residual_tiles), SPIN_LIMIT=spin_limit,
+                IEEE=dtype == torch.float32, num_warps=tiles.warps,
                 num_stages=tiles.stages, **launch_options(dev))
     eps, scale = stack.norm.eps, D**-0.5
     if mode == "persistent":
@@ -459,8 +488,8 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
         _cp_forward_kernel[(programs,)](*args, 0, n_steps, target, eps, scale, PERSISTENT=True, **meta)
         return out
     nqkv = (HQ + 2 * HKV) * D
-    items = (triton.cdiv(nqkv, tiles.qkv), B * HKV, triton.cdiv(H, tiles.o), triton.cdiv(FF, tiles.up),
-             triton.cdiv(H, tiles.down))
+    items = (triton.cdiv(nqkv, tiles.qkv), B * HKV, triton.cdiv(H, tiles.residual), triton.cdiv(FF, tiles.up),
+             triton.cdiv(H, tiles.residual))
     for step in range(n_steps):
         grid = triton.cdiv(V, tiles.head) if step == n_steps - 1 else items[step % PHASES]
         _cp_forward_kernel[(grid,)](*args, step, step + 1, grid, eps, scale, PERSISTENT=False, **meta)
