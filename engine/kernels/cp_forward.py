@@ -25,7 +25,7 @@ was 128 KB per program per norm).
 
 Rounding follows engine/model/layers.py op by op (the norms' fp32 statistics and rounded products, the residual
 sums rounded to the activation dtype, SwiGLU rounded before its multiply), so the reference of a forward is the
-model's own path: `DecoderStack.run` then `dense(h, lm_head)`.
+model's own path: `DecoderStack.run` then `dense(h, lm_head)` (engine.model.code_predictor.cp_forward_reference).
 
 The layers' weights are used in place: `StackedLayers` moves each kind of weight of the 5 layers into one [L, ...]
 tensor once and makes every layer's parameters views of it, so the kernel indexes layers by stride and the
@@ -494,17 +494,3 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
         grid = triton.cdiv(V, tiles.head) if step == n_steps - 1 else items[step % PHASES]
         _cp_forward_kernel[(grid,)](*args, step, step + 1, grid, eps, scale, PERSISTENT=False, **meta)
     return out
-
-
-def cp_forward_reference(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_cache: Tensor,
-                         v_cache: Tensor, slots: Tensor, positions: Tensor, final_norm: Tensor, head: Tensor) -> Tensor:
-    """The model's own path, same arguments (final_norm is the stack's own norm): DecoderStack.run, then the head on
-    each row's last token."""
-    from engine.model.layers import AttentionBatch, KVCache, dense
-
-    C = k_cache.shape[3]
-    cols = torch.arange(C, device=x.device)
-    blocked = ~(cols[None, None, :] <= positions[:, :, None])[:, None]
-    batch = AttentionBatch(slots, positions, blocked, cos, sin_signed)
-    h = stack.run(x, batch, KVCache(k_cache, v_cache))[:, -1]
-    return dense(h, head)

@@ -140,3 +140,15 @@ class CodePredictor(nn.Module):
     def code_embeddings(self, codes: Tensor) -> list[Tensor]:
         """The 15 input-table rows of codes [B, 15], each [B, H_talker]."""
         return [self.model.codec_embedding[g](codes[:, g]) for g in range(self.groups)]
+
+
+def cp_forward_reference(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_cache: Tensor,
+                         v_cache: Tensor, slots: Tensor, positions: Tensor, final_norm: Tensor, head: Tensor) -> Tensor:
+    """engine.kernels.cp_forward's reference: the model's own path with the kernel's arguments (final_norm is the
+    stack's own norm), DecoderStack.run, then the head on each row's last token -> logits [B, V]."""
+    C = k_cache.shape[3]
+    cols = torch.arange(C, device=x.device)
+    blocked = ~(cols[None, None, :] <= positions[:, :, None])[:, None]
+    batch = AttentionBatch(slots, positions, blocked, cos, sin_signed)
+    h = stack.run(x, batch, KVCache(k_cache, v_cache))[:, -1]
+    return dense(h, head)
