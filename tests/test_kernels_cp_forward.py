@@ -127,8 +127,18 @@ def test_another_launch_shape_gives_the_same_forward(code_predictor, monkeypatch
     assert kernels.kernels_status()["cp_forward"]["tiles"]["qkv"] == 64  # /ready
     for ours, theirs in zip(_run(code_predictor, "persistent", 2, 2, 0, torch.float32), default, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=2e-5, atol=2e-5)
+    # the residual steps' K split in runs, reduced by the last run to arrive (the tiny model's K: 64 and 96)
+    monkeypatch.setenv(cf.TILES_ENV, "split=2,k=16")
+    split = _run(code_predictor, "persistent", 2, 2, 0, torch.float32)
+    for ours, theirs in zip(split, default, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=2e-5, atol=2e-5)
+    for a, b in zip(split, _run(code_predictor, "phased", 2, 2, 0, torch.float32), strict=True):
+        assert torch.equal(a, b)  # the split order fixes the sum, whichever program finishes last
+    monkeypatch.setenv(cf.TILES_ENV, "split=4,k=32")  # 4 runs of 32 do not tile the tiny model's K of 64
+    with pytest.raises(ValueError, match="do not tile"):
+        _run(code_predictor, "phased", 1, 1, 0, torch.float32)
     for bad, message in (("residual=24", "power of two"), ("warps=3", "warps 3"), ("block=64", "names"),
-                         ("qkv=x", "names")):
+                         ("qkv=x", "names"), ("split=3", "split=3")):
         monkeypatch.setenv(cf.TILES_ENV, bad)
         with pytest.raises(ValueError, match=message):
             cf.Tiles.from_env()

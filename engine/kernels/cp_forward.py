@@ -110,16 +110,17 @@ def _row_rstd(x_ptr, row_stride, rows, K: tl.constexpr, eps, BLOCK_M: tl.constex
 @triton.jit
 def _matmul_tile(x_ptr, row_stride, rows, K: tl.constexpr, norm_ptr, rstd, w_ptr, n0, N,
                  NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 IEEE: tl.constexpr):
-    """x[rows, K] @ w[n0 : n0 + BLOCK_N, K]^T in fp32 [BLOCK_M, BLOCK_N]; with NORM, x is first RMS-normed
-    (rstd [BLOCK_M]) and multiplied by norm_ptr's weight, rounded as add_rms_norm rounds."""
+                 IEEE: tl.constexpr, k_lo, K_SPAN: tl.constexpr):
+    """x[rows, k_lo : k_lo + K_SPAN] @ w[n0 : n0 + BLOCK_N, same columns of K]^T in fp32 [BLOCK_M, BLOCK_N] (the
+    whole of K: k_lo 0, K_SPAN K); with NORM, x is first RMS-normed (rstd [BLOCK_M]) and multiplied by norm_ptr's
+    weight, rounded as add_rms_norm rounds."""
     rm = tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
     m_ok = rm < rows
     n_ok = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
+    for kk in range(0, K_SPAN, BLOCK_K):  # constexpr bounds: triton's interpreter takes no runtime range() bound
+        k = k_lo + kk + tl.arange(0, BLOCK_K)
         k_ok = k < K
         a = tl.load(x_ptr + rm[:, None] * row_stride + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0,
                     cache_modifier=".cg")
@@ -170,6 +171,39 @@ def _rstd_from_partials(sumsq_ptr, row_stride, rows, tiles, K: tl.constexpr, eps
 
 
 @triton.jit
+def _residual_step(x_ptr, K: tl.constexpr, w_ptr, res_ptr, h_ptr, sumsq_ptr, part_ptr, ticket_ptr, rows, pid,
+                   programs, H: tl.constexpr, H_TILES: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """h = x[rows, K] @ w[H, K]^T + residual, as H_TILES column tiles of BLOCK_N, each split into SPLIT runs of K
+    (more work items than tiles: at one row 1024 columns make 64 tiles for 132 multiprocessors). A split's partial
+    goes to part[split] (fp32); the last of a tile's splits to arrive (an acq_rel ticket, then reset for the next
+    use) adds them in split order, so the sum does not depend on which program finished last."""
+    K_SPAN: tl.constexpr = K // SPLIT
+    item = pid
+    while item < H_TILES * SPLIT:
+        tile = item // SPLIT
+        run = item % SPLIT
+        acc = _matmul_tile(x_ptr, K, rows, K, w_ptr, 0.0, w_ptr, tile * BLOCK_N, H, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                           IEEE, run * K_SPAN, K_SPAN)
+        if SPLIT == 1:
+            _residual_tile(res_ptr, rows, tile, H, acc, h_ptr, sumsq_ptr, H_TILES, BLOCK_M, BLOCK_N)
+        else:
+            rm = tl.arange(0, BLOCK_M)
+            rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = (rm < rows)[:, None] & (rn < H)[None, :]
+            at = part_ptr + rm[:, None] * H + rn[None, :]
+            tl.store(at + run * rows * H, acc, mask=ok)
+            ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")  # partials visible before the ticket
+            if ticket == SPLIT - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s in tl.static_range(SPLIT):
+                    total += tl.load(at + s * rows * H, mask=ok, other=0.0, cache_modifier=".cg")
+                _residual_tile(res_ptr, rows, tile, H, total, h_ptr, sumsq_ptr, H_TILES, BLOCK_M, BLOCK_N)
+                tl.atomic_xchg(ticket_ptr + tile, 0)
+        item += programs
+
+
+@triton.jit
 def _attention_item(b, kvh, T, qkv_ptr, attn_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, s_cb, s_ct, s_sb, s_st,
                     kc_ptr, vc_ptr, s_cs, s_ch, s_cl, slots_ptr, pos_ptr, s_pb, s_pt, eps, scale,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_QM: tl.constexpr,
@@ -214,7 +248,7 @@ def _attention_item(b, kvh, T, qkv_ptr, attn_ptr, qn_ptr, kn_ptr, cos_ptr, sin_p
 
 
 @triton.jit
-def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr, sumsq_ptr,
+def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr, sumsq_ptr, part_ptr, ticket_ptr,
                        w_in_ptr, w_qkv_ptr, w_qn_ptr, w_kn_ptr, w_o_ptr, w_post_ptr, w_gu_ptr, w_down_ptr,
                        w_final_ptr, w_head_ptr,
                        kc_ptr, vc_ptr, s_kl, s_cs, s_ch, s_cl, cos_ptr, sin_ptr, s_cb, s_ct, s_sb, s_st,
@@ -223,7 +257,7 @@ def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_pt
                        FF: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
                        BLOCK_QM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
                        BN_QKV: tl.constexpr, BN_RES: tl.constexpr, BN_UP: tl.constexpr,
-                       BN_HEAD: tl.constexpr, BLOCK_TILES: tl.constexpr, PERSISTENT: tl.constexpr,
+                       BN_HEAD: tl.constexpr, BLOCK_TILES: tl.constexpr, SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
                        SPIN_LIMIT: tl.constexpr,
                        IEEE: tl.constexpr, GDC: tl.constexpr):
     wait_inputs(GDC)
@@ -245,7 +279,7 @@ def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_pt
             tile = pid
             while tile < tl.cdiv(V, BN_HEAD):
                 acc = _matmul_tile(last_tokens, T * H, B, H, w_final_ptr, rstd, w_head_ptr, tile * BN_HEAD, V, True,
-                                   BLOCK_B, BN_HEAD, BLOCK_K, IEEE)
+                                   BLOCK_B, BN_HEAD, BLOCK_K, IEEE, 0, H)
                 _store_tile(out_ptr, V, B, tile * BN_HEAD, V, acc.to(out_ptr.dtype.element_ty), BLOCK_B, BN_HEAD)
                 tile += programs
         else:
@@ -262,7 +296,7 @@ def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_pt
                 while tile < tl.cdiv(NQKV, BN_QKV):
                     acc = _matmul_tile(residual, H, M, H, w_in_ptr + at_layer * H, rstd,
                                        w_qkv_ptr + at_layer * NQKV * H, tile * BN_QKV, NQKV, True, BLOCK_M, BN_QKV,
-                                       BLOCK_K, IEEE)
+                                       BLOCK_K, IEEE, 0, H)
                     _store_tile(qkv_ptr, NQKV, M, tile * BN_QKV, NQKV, acc.to(qkv_ptr.dtype.element_ty), BLOCK_M,
                                 BN_QKV)
                     tile += programs
@@ -275,32 +309,25 @@ def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_pt
                                     pos_ptr, s_pb, s_pt, eps, scale, HQ, HKV, D, BLOCK_QM, BLOCK_T, BLOCK_C, IEEE)
                     item += programs
             elif phase == 2:
-                tile = pid
-                while tile < tl.cdiv(H, BN_RES):
-                    acc = _matmul_tile(attn_ptr, HQ * D, M, HQ * D, w_in_ptr, 0.0, w_o_ptr + at_layer * H * HQ * D,
-                                       tile * BN_RES, H, False, BLOCK_M, BN_RES, BLOCK_K, IEEE)
-                    _residual_tile(residual, M, tile, H, acc, h_ptr, sumsq_ptr, H_TILES, BLOCK_M, BN_RES)
-                    tile += programs
+                _residual_step(attn_ptr, HQ * D, w_o_ptr + at_layer * H * HQ * D, residual, h_ptr, sumsq_ptr, part_ptr,
+                               ticket_ptr, M, pid, programs, H, H_TILES, SPLIT, BLOCK_M, BN_RES, BLOCK_K, IEEE)
             elif phase == 3:
                 rstd = _rstd_from_partials(sumsq_ptr, H_TILES, M, H_TILES, H, eps, BLOCK_M, BLOCK_TILES)
                 tile = pid
                 while tile < tl.cdiv(FF, BN_UP):
                     up_w = w_gu_ptr + at_layer * 2 * FF * H
                     gate = _matmul_tile(h_ptr, H, M, H, w_post_ptr + at_layer * H, rstd, up_w, tile * BN_UP, FF, True,
-                                        BLOCK_M, BN_UP, BLOCK_K, IEEE).to(act_ptr.dtype.element_ty).to(tl.float32)
+                                        BLOCK_M, BN_UP, BLOCK_K, IEEE, 0, H).to(act_ptr.dtype.element_ty)
                     up = _matmul_tile(h_ptr, H, M, H, w_post_ptr + at_layer * H, rstd, up_w + FF * H, tile * BN_UP, FF,
-                                      True, BLOCK_M, BN_UP, BLOCK_K, IEEE).to(act_ptr.dtype.element_ty)
+                                      True, BLOCK_M, BN_UP, BLOCK_K, IEEE, 0, H).to(act_ptr.dtype.element_ty)
+                    gate = gate.to(tl.float32)
                     silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # SwiGLU as engine.kernels.norm.swiglu
                     act = (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
                     _store_tile(act_ptr, FF, M, tile * BN_UP, FF, act, BLOCK_M, BN_UP)
                     tile += programs
             else:
-                tile = pid
-                while tile < tl.cdiv(H, BN_RES):
-                    acc = _matmul_tile(act_ptr, FF, M, FF, w_in_ptr, 0.0, w_down_ptr + at_layer * H * FF,
-                                       tile * BN_RES, H, False, BLOCK_M, BN_RES, BLOCK_K, IEEE)
-                    _residual_tile(h_ptr, M, tile, H, acc, h_ptr, sumsq_ptr, H_TILES, BLOCK_M, BN_RES)
-                    tile += programs
+                _residual_step(act_ptr, FF, w_down_ptr + at_layer * H * FF, h_ptr, h_ptr, sumsq_ptr, part_ptr,
+                               ticket_ptr, M, pid, programs, H, H_TILES, SPLIT, BLOCK_M, BN_RES, BLOCK_K, IEEE)
         if PERSISTENT:
             if step + 1 < last:
                 _grid_barrier(bar_ptr + step, target, bar_ptr + last, SPIN_LIMIT)
@@ -394,6 +421,7 @@ class Tiles:
     residual: int = 16  # the o and down projections: the steps that end in the residual add (one tiling)
     up: int = 32
     head: int = 16
+    split: int = 1  # K runs of each residual tile (its work items: tiles x split)
     k: int = 128
     warps: int = 4
     stages: int = 3
@@ -415,6 +443,8 @@ class Tiles:
             size = getattr(tiles, name)
             if size < 16 or size & (size - 1):
                 raise ValueError(f"{TILES_ENV}: {name}={size} must be a power of two >= 16 (a tensor-core tile)")
+        if tiles.split not in (1, 2, 4, 8):
+            raise ValueError(f"{TILES_ENV}: split={tiles.split} must be 1, 2, 4 or 8")
         if tiles.warps not in (1, 2, 4, 8, 16) or not 1 <= tiles.stages <= 6:
             raise ValueError(f"{TILES_ENV}: warps {tiles.warps} (1-16, a power of two), stages {tiles.stages} (1-6)")
         return tiles
@@ -464,10 +494,18 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
     out = torch.empty(B, V, device=dev, dtype=dtype)
     residual_tiles = triton.cdiv(H, tiles.residual)
     sumsq = torch.empty(M, residual_tiles, device=dev, dtype=torch.float32)  # _residual_tile's partials
+    if tiles.split > 1:
+        for width in (HQ * D, FF):  # the K of the o and down projections
+            if width % (tiles.split * tiles.k):
+                raise ValueError(f"{TILES_ENV}: split={tiles.split} runs of k={tiles.k} do not tile K={width}")
+        parts = torch.empty(tiles.split, M, H, device=dev, dtype=torch.float32)
+        tickets = torch.zeros(residual_tiles, device=dev, dtype=torch.int32)  # each left at zero by its reducer
+    else:
+        parts, tickets = sumsq, slots  # not read
     n_steps = steps(L)
     if mode == "persistent" and counters is None:
         counters = torch.zeros(counter_slots(L), device=dev, dtype=torch.int32)
-    args = (x, h, qkv, attn, act, out, counters if counters is not None else slots, sumsq,
+    args = (x, h, qkv, attn, act, out, counters if counters is not None else slots, sumsq, parts, tickets,
             weights.input_norm, weights.qkv, weights.q_norm, weights.k_norm, weights.o, weights.post_norm,
             weights.gate_up, weights.down, final_norm, head,
             k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
@@ -477,7 +515,8 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
                 BLOCK_B=max(16, triton.next_power_of_2(B)), BLOCK_QM=max(16, triton.next_power_of_2(T * HQ // HKV)),
                 BLOCK_T=max(2, triton.next_power_of_2(T)), BLOCK_C=max(16, triton.next_power_of_2(C)),
                 BLOCK_K=tiles.k, BN_QKV=tiles.qkv, BN_RES=tiles.residual, BN_UP=tiles.up,
-                BN_HEAD=tiles.head, BLOCK_TILES=triton.next_power_of_2(residual_tiles), SPIN_LIMIT=spin_limit,
+                BN_HEAD=tiles.head, BLOCK_TILES=triton.next_power_of_2(residual_tiles), SPLIT=tiles.split,
+                SPIN_LIMIT=spin_limit,
                 IEEE=dtype == torch.float32, num_warps=tiles.warps,
                 num_stages=tiles.stages, **launch_options(dev))
     eps, scale = stack.norm.eps, D**-0.5
@@ -488,8 +527,8 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
         _cp_forward_kernel[(programs,)](*args, 0, n_steps, target, eps, scale, PERSISTENT=True, **meta)
         return out
     nqkv = (HQ + 2 * HKV) * D
-    items = (triton.cdiv(nqkv, tiles.qkv), B * HKV, triton.cdiv(H, tiles.residual), triton.cdiv(FF, tiles.up),
-             triton.cdiv(H, tiles.residual))
+    items = (triton.cdiv(nqkv, tiles.qkv), B * HKV, residual_tiles * tiles.split, triton.cdiv(FF, tiles.up),
+             residual_tiles * tiles.split)
     for step in range(n_steps):
         grid = triton.cdiv(V, tiles.head) if step == n_steps - 1 else items[step % PHASES]
         _cp_forward_kernel[(grid,)](*args, step, step + 1, grid, eps, scale, PERSISTENT=False, **meta)
