@@ -144,6 +144,24 @@ def test_another_launch_shape_gives_the_same_forward(code_predictor, monkeypatch
             cf.Tiles.from_env()
 
 
+def test_a_batch_above_the_kernels_rows_runs_layer_by_layer_and_says_so(code_predictor, monkeypatch, caplog):
+    monkeypatch.setenv(cf.CP_FORWARD_ENV, "persistent")
+    monkeypatch.setattr(cf, "MAX_ROWS", 4)  # the first forward has two tokens a row: batches of 2 rows fit, 3 do not
+    monkeypatch.setattr(cf, "_REFUSED_ROWS", set())
+    cpu = torch.device("cpu")
+    with kernels.backend("triton"), caplog.at_level(logging.WARNING, "voicelane.kernels.cp_forward"):
+        assert code_predictor._forward_kernel(cpu, 2) is not None
+        assert code_predictor._forward_kernel(cpu, 3) is None
+        assert code_predictor._forward_kernel(cpu, 3) is None
+    assert caplog.text.count("a Code Predictor forward of 6 rows runs the layer-by-layer kernels") == 1
+    assert kernels.kernels_status()["cp_forward"]["layer_by_layer_rows"] == [6]  # /ready
+    x, cos, sin, cache, slots, positions = _inputs(code_predictor, 3, 2, 0, torch.float32, seed=0)
+    stack = code_predictor.float().model
+    with pytest.raises(ValueError, match="6 rows, at most 4"):
+        cf.cp_forward(stack, x, cos, sin, cache.k, cache.v, slots, positions, stack.norm.weight,
+                      code_predictor.lm_head[0].weight, "phased")
+
+
 def test_switch_and_shape_errors(code_predictor, monkeypatch):
     monkeypatch.setenv(cf.CP_FORWARD_ENV, "fast")
     with pytest.raises(ValueError, match="choose one of off, phased, persistent"):

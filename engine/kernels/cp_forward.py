@@ -54,6 +54,26 @@ MODES = ("off", "phased", "persistent")
 PHASES = 5  # steps per layer: qkv, attn, o, up, down
 
 
+MAX_ROWS = 128  # rows (batch x tokens) of one launch: the 128-row dot tiles' shared memory is about 110 KB
+_REFUSED_ROWS: set[int] = set()
+
+
+def refuse_rows(rows: int) -> bool:
+    """True (and logged once per size, and listed by refused_rows() for /ready) when a forward of `rows` rows is
+    above MAX_ROWS: the caller runs the layer-by-layer kernels for it instead."""
+    if rows <= MAX_ROWS:
+        return False
+    if rows not in _REFUSED_ROWS:
+        _REFUSED_ROWS.add(rows)
+        log.warning("cp_forward takes at most %d rows a launch; a Code Predictor forward of %d rows runs the "
+                    "layer-by-layer kernels", MAX_ROWS, rows)
+    return True
+
+
+def refused_rows() -> list[int]:
+    return sorted(_REFUSED_ROWS)
+
+
 def cp_forward_mode() -> str:
     value = os.environ.get(CP_FORWARD_ENV, "off").strip().lower() or "off"
     if value not in MODES:
@@ -486,6 +506,8 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
     if mode not in ("phased", "persistent"):
         raise ValueError(f"cp_forward mode {mode!r}: phased or persistent")
     M = B * T
+    if M > MAX_ROWS:
+        raise ValueError(f"cp_forward: {M} rows, at most {MAX_ROWS} a launch")
     dev, dtype = x.device, x.dtype
     h = torch.empty(M, H, device=dev, dtype=dtype)
     qkv = torch.empty(M, (HQ + 2 * HKV) * D, device=dev, dtype=dtype)

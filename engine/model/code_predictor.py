@@ -98,7 +98,7 @@ class CodePredictor(nn.Module):
         every = AttentionBatch.build(self.cfg, rows, torch.arange(self.positions, device=device).expand(B, -1),
                                      self.positions, dtype)
         x = self.small_to_mtp_projection(torch.stack((hidden, code0_embedding), dim=1))  # [B, 2, H_cp]
-        forward = self._forward_kernel(device)
+        forward = self._forward_kernel(device, B)
         codes, logits_seen = [], []
         for group in range(1, self.groups + 1):
             span = slice(0, 2) if group == 1 else slice(group, group + 1)
@@ -119,15 +119,17 @@ class CodePredictor(nn.Module):
                 x = self._next_input(group, code)
         return torch.stack(codes, dim=1), (torch.stack(logits_seen, dim=1) if keep_logits else None)
 
-    def _forward_kernel(self, device) -> Callable[[int, Tensor, AttentionBatch, KVCache], Tensor] | None:
-        """The one-kernel forward of engine.kernels.cp_forward when it is switched on, else None. Its persistent
-        launches share one set of barrier counters a frame (a single memset)."""
+    def _forward_kernel(self, device, batch: int) -> Callable[[int, Tensor, AttentionBatch, KVCache], Tensor] | None:
+        """The one-kernel forward of engine.kernels.cp_forward when it is switched on and takes `batch` rows (the
+        first forward's two tokens a row within its MAX_ROWS; a larger batch runs the layer-by-layer kernels, which
+        is logged once per batch size and in /ready's cp_forward details), else None. Its persistent launches share
+        one set of barrier counters a frame (a single memset)."""
         if not kernels.use_triton(device):
             return None
-        from engine.kernels.cp_forward import barrier_counters, cp_forward, cp_forward_mode
+        from engine.kernels.cp_forward import barrier_counters, cp_forward, cp_forward_mode, refuse_rows
 
         mode = cp_forward_mode()
-        if mode == "off":
+        if mode == "off" or refuse_rows(2 * batch):
             return None
         counters = barrier_counters(self.groups, self.cfg.num_layers, device) if mode == "persistent" else None
 
