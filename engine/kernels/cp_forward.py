@@ -11,9 +11,10 @@ kernel, each step a loop over its work items (tiles of output columns, or (row, 
                4 down   act @ Wdown + residual                                           -> h
     then       head     h (each row's last token) -> final RMSNorm (prologue) -> lm_head[group] -> logits
 
-Two ways to run the same steps (VOICELANE_CP_FORWARD):
+The switch, VOICELANE_CP_FORWARD:
 - "persistent": one launch, one program per multiprocessor (all resident at once); the steps are separated by a
-  grid-wide barrier (an arrival counter per step in global memory, release on arrival, acquire while waiting).
+  grid-wide barrier (an arrival counter per step in global memory, release on arrival, acquire while waiting; a wait
+  past its poll limit counts a timeout and goes on, so a grid that cannot be resident never hangs the device).
 - "phased": one launch per step, a kernel boundary between steps (26 a forward instead of ~47). Triton's
   interpreter runs programs one after another, so a barrier could never be passed there: the CPU tests run this
   mode, and the persistent mode with a single program (whose barrier is its own arrival).
@@ -52,8 +53,6 @@ log = logging.getLogger("voicelane.kernels.cp_forward")
 CP_FORWARD_ENV = "VOICELANE_CP_FORWARD"
 MODES = ("off", "phased", "persistent")
 PHASES = 5  # steps per layer: qkv, attn, o, up, down
-
-
 MAX_ROWS = 128  # rows (batch x tokens) of one launch: the 128-row dot tiles' shared memory is about 110 KB
 _REFUSED_ROWS: set[int] = set()
 
