@@ -119,8 +119,8 @@ class CodePredictor(nn.Module):
                 x = self._next_input(group, code)
         return torch.stack(codes, dim=1), (torch.stack(logits_seen, dim=1) if keep_logits else None)
 
-    def _forward_kernel(self, device, batch: int) -> Callable[[int, Tensor, AttentionBatch, KVCache], Tensor] | None:
-        """The one-kernel forward of engine.kernels.cp_forward when it is switched on and takes `batch` rows (the
+    def _forward_kernel(self, device, rows: int) -> Callable[[int, Tensor, AttentionBatch, KVCache], Tensor] | None:
+        """The one-kernel forward of engine.kernels.cp_forward when it is switched on and takes `rows` rows (the
         first forward's two tokens a row within its MAX_ROWS; a larger batch runs the layer-by-layer kernels, which
         is logged once per batch size and in /ready's cp_forward details), else None. Its persistent launches share
         one set of barrier counters a frame (a single memset)."""
@@ -129,7 +129,7 @@ class CodePredictor(nn.Module):
         from engine.kernels.cp_forward import barrier_counters, cp_forward, cp_forward_mode, refuse_rows
 
         mode = cp_forward_mode()
-        if mode == "off" or refuse_rows(2 * batch):
+        if mode == "off" or refuse_rows(2 * rows):
             return None
         counters = barrier_counters(self.groups, self.cfg.num_layers, device) if mode == "persistent" else None
 
