@@ -40,7 +40,8 @@ fi
 [ -z "${SKIP_PROFILE_CODEC:-}" ] && LIMIT=${PROFILE_CODEC_S:-200} step profile_codec python3 -m engine.tools.profile_stages \
   --model random:1.7b --batches ${BATCHES:-1 8 32 64} --chunks ${CHUNKS:-1 4 12} --graphs on --stages codec \
   ${CODEC_LAYOUTS:+--codec-layouts $CODEC_LAYOUTS} --out "$OUT/stages_codec.json"
-[ -z "${SKIP_KERNELS:-}" ] && LIMIT=${KERNELS_S:-160} step gpu_check_kernels python3 -m engine.tools.gpu_check_kernels "$OUT/kernels"
+[ -z "${SKIP_KERNELS:-}" ] && LIMIT=${KERNELS_S:-160} step gpu_check_kernels python3 -m engine.tools.gpu_check_kernels "$OUT/kernels" \
+  ${KERNELS_ARGS:-}
 [ -z "${SKIP_CODEC:-}" ] && LIMIT=${CODEC_S:-110} step gpu_check_codec python3 -m engine.tools.gpu_check_codec \
   "$OUT/codec" ${CODEC_ARGS:-}
 [ -z "${SKIP_SAMPLER:-}" ] && LIMIT=${SAMPLER_S:-80} step gpu_check_sampler python3 -m engine.tools.gpu_check_sampler \

@@ -251,6 +251,16 @@ def test_gpu_check_script_runs_its_kernel_checks_on_the_cpu(tmp_path):
     assert all(r["ok"] and r["rel_err"] < 4e-3 for r in rows)
 
 
+def test_gpu_check_script_can_check_cp_forward_alone(tmp_path):
+    import json
+
+    from engine.tools.gpu_check_kernels import main
+
+    assert main([str(tmp_path), "--smoke", "--no-model", "--cp-forward-only", "--model", "random:tiny"]) == 0
+    rows = json.loads((tmp_path / "gpu_check_kernels.json").read_text())["kernels_checked"]
+    assert rows and {r["kernel"] for r in rows} == {"cp_forward"}
+
+
 def test_programmatic_dependent_launch_is_off_by_default_and_refused_where_it_cannot_run(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv(kernels.PDL_ENV, raising=False)
