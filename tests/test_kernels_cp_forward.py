@@ -42,7 +42,7 @@ def _inputs(cp, B: int, T: int, start: int, dtype, seed: int):
     return x, cos, signed_sin(sin), cache, slots, positions
 
 
-def _run(cp, mode: str, B: int, T: int, start: int, dtype, group: int = 3):
+def _run(cp, mode: str, B: int, T: int, start: int, dtype, group: int = 3, ranges=None):
     x, cos, sin, cache, slots, positions = _inputs(cp, B, T, start, dtype, seed=B * 100 + T * 10 + start)
     stack = cp.to(dtype).model
     args = (stack, x, cos, sin, cache.k, cache.v, slots, positions, stack.norm.weight, cp.lm_head[group].weight)
@@ -50,8 +50,11 @@ def _run(cp, mode: str, B: int, T: int, start: int, dtype, group: int = 3):
         if mode == "reference":
             with kernels.backend("torch"):
                 logits = cp_forward_reference(*args)
-        else:
+        elif ranges is None:
             logits = cf.cp_forward(*args, mode)
+        else:  # launches of step ranges (engine.tools.probe_cp_forward's cuts); each has fresh scratch buffers
+            for step_range in ranges:
+                logits = cf.cp_forward(*args, mode, step_range=step_range)
     return logits, cache.k, cache.v
 
 
@@ -73,6 +76,21 @@ def test_persistent_equals_phased_exactly(code_predictor):
     phased = _run(code_predictor, "phased", 2, 2, 0, torch.float32)
     for a, b in zip(persistent, phased, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["phased", "persistent"])
+def test_a_step_range_runs_exactly_those_steps(code_predictor, mode):
+    """The probe's cuts (engine.tools.probe_cp_forward): steps 0 .. 6 are layers 0 and 1 through attention (steps 1
+    and 6 write the cache), so those layers' cache columns equal the whole forward's and the later layers' are
+    untouched; a range outside the forward is refused."""
+    whole = _run(code_predictor, mode, 2, 1, 4, torch.float32)
+    untouched = _inputs(code_predictor, 2, 1, 4, torch.float32, seed=2 * 100 + 10 + 4)[3]
+    _, k, v = _run(code_predictor, mode, 2, 1, 4, torch.float32, ranges=[(0, 7)])
+    assert torch.equal(k[:2], whole[1][:2]) and torch.equal(v[:2], whole[2][:2])
+    assert torch.equal(k[2:], untouched.k[2:]) and torch.equal(v[2:], untouched.v[2:])
+    assert not torch.equal(k[1], untouched.k[1])
+    with pytest.raises(ValueError, match="step range"):
+        _run(code_predictor, mode, 1, 1, 0, torch.float32, ranges=[(3, cf.steps(code_predictor.cfg.num_layers) + 1)])
 
 
 def test_a_barrier_that_waits_in_vain_counts_a_timeout_and_goes_on(code_predictor):

@@ -582,7 +582,8 @@ def barrier_timeouts(counters: Tensor) -> int:
 def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_cache: Tensor, v_cache: Tensor,
                slots: Tensor, positions: Tensor, final_norm: Tensor, head: Tensor, mode: str,
                counters: Tensor | None = None, programs: int | None = None, barrier_target: int | None = None,
-               spin_limit: int = SPIN_LIMIT, tiles: Tiles | None = None) -> Tensor:
+               spin_limit: int = SPIN_LIMIT, tiles: Tiles | None = None,
+               step_range: tuple[int, int] | None = None) -> Tensor:
     """One forward of the decoder stack `stack` and its head: the logits [B, V] of each row's last token.
 
     x [B, T, H] (contiguous, the stack's input); cos, sin_signed [B, T, D] (unit last stride); k_cache, v_cache
@@ -590,7 +591,8 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
     "persistent"; counters [counter_slots] int32, zero (persistent; None: allocated here; barrier_timeouts reads
     them after); programs: the persistent grid (None: one per multiprocessor on CUDA, 1 elsewhere);
     barrier_target, spin_limit (tests): the arrivals a barrier waits for (None: every program) and its polls;
-    tiles: the launch shape (None: Tiles.from_env())."""
+    tiles: the launch shape (None: Tiles.from_env()); step_range (probes, engine.tools.probe_cp_forward): only steps
+    first .. last - 1 (the logits are written only if the head's step is among them)."""
     weights = stacked_layers(stack)
     tiles = tiles if tiles is not None else Tiles.from_env()
     cfg = stack.cfg
@@ -624,6 +626,9 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
     else:
         parts, tickets = sumsq, slots  # not read
     n_steps = steps(L)
+    first, last = step_range if step_range is not None else (0, n_steps)
+    if not 0 <= first < last <= n_steps:
+        raise ValueError(f"cp_forward: step range {step_range} outside 0 .. {n_steps}")
     if mode == "persistent" and counters is None:
         counters = torch.zeros(counter_slots(L), device=dev, dtype=torch.int32)
     args = (x, h, qkv, attn, act, out, counters if counters is not None else slots, sumsq, parts, tickets,
@@ -648,12 +653,12 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
         if programs is None:
             programs = _multiprocessors(dev) if dev.type == "cuda" else 1
         target = programs if barrier_target is None else barrier_target
-        _cp_forward_kernel[(programs,)](*args, 0, n_steps, target, eps, scale, PERSISTENT=True, **meta)
+        _cp_forward_kernel[(programs,)](*args, first, last, target, eps, scale, PERSISTENT=True, **meta)
         return out
     nqkv = (HQ + 2 * HKV) * D
     items = (triton.cdiv(nqkv, tiles.qkv), B * HKV, residual_tiles * tiles.split, triton.cdiv(FF, tiles.up),
              residual_tiles * tiles.split)
-    for step in range(n_steps):
+    for step in range(first, last):
         grid = triton.cdiv(V, tiles.head) if step == n_steps - 1 else items[step % PHASES]
         _cp_forward_kernel[(grid,)](*args, step, step + 1, grid, eps, scale, PERSISTENT=False, **meta)
     return out

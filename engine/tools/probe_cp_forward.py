@@ -1,0 +1,169 @@
+"""Where a persistent Code Predictor forward (engine.kernels.cp_forward) spends its time, on the GPU.
+
+    python -m engine.tools.probe_cp_forward OUT_DIR [--model random:1.7b] [--batches 1 64]
+        [--shapes default warps=8 k=256/stages=4]
+
+Every time is the median of triton.testing.do_bench_cudagraph over a CUDA graph of the launch (and, for a
+persistent launch, the memset of its barrier counters), so host launch cost is not in it. For each batch (T = 1, a
+later forward, the cache filled to position 15):
+1. the whole forward in each launch shape (`--shapes`, VOICELANE_CP_FORWARD_TILES syntax; `default` is Tiles());
+2. in the first shape, the persistent forward cut after step k, for every k: the rise from k - 1 to k is step k - 1's
+   cost plus one grid barrier;
+3. each step alone as a phased launch (its cost with no barrier, plus one launch in a graph);
+4. a launch of 25 grid barriers and nothing else, on the same grid;
+5. the stack's weight bytes over the whole forward's time: the bandwidth it reached (the H200's is about 4.8 TB/s).
+Writes OUT_DIR/probe_cp_forward.json and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.cp_forward import _grid_barrier
+
+PHASE_NAMES = ("qkv", "attn", "o", "up", "down")
+
+
+@triton.jit
+def _barriers_only(bar_ptr, n, target, SPIN_LIMIT: tl.constexpr):
+    i = 0
+    while i < n:
+        _grid_barrier(bar_ptr + i, target, bar_ptr + n, SPIN_LIMIT)
+        i += 1
+
+
+def _inputs(cp, batch: int, device: str):
+    from engine.model.layers import rope_cos_sin, signed_sin
+
+    cfg = cp.model.cfg
+    dtype = next(cp.parameters()).dtype
+    g = torch.Generator(device=device).manual_seed(batch)
+    x = torch.randn(batch, 1, cfg.hidden_size, device=device, generator=g).to(dtype)
+    positions = torch.full((batch, 1), 15, device=device, dtype=torch.int64)
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
+    k = torch.randn(cfg.num_layers, batch + 1, cfg.num_kv_heads, cp.positions, cfg.head_dim, device=device,
+                    generator=g).to(dtype)
+    v = torch.randn(k.shape, device=device, generator=g).to(dtype)
+    slots = torch.arange(batch, 0, -1, device=device)
+    return (cp.model, x, cos, signed_sin(sin), k, v, slots, positions, cp.model.norm.weight, cp.lm_head[2].weight)
+
+
+def _bench_ms(fn) -> float:
+    fn()  # compile and warm outside the graph
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench_cudagraph(fn, rep=50))
+
+
+def probe(loaded, batches: list[int], shapes: list[str]) -> dict:
+    from engine.kernels import cp_forward as cf
+
+    cp = loaded.tts.talker.code_predictor
+    cfg = cp.model.cfg
+    L = cfg.num_layers
+    n_steps = cf.steps(L)
+    weights = cf.stacked_layers(cp.model)
+    weight_bytes = sum(t.numel() * t.element_size() for t in (weights.qkv, weights.o, weights.gate_up, weights.down,
+                                                              cp.lm_head[2].weight))
+    programs = cf._multiprocessors(torch.device("cuda"))
+    record = {"gpu": torch.cuda.get_device_name(), "programs": programs, "weight_bytes": weight_bytes,
+              "batches": {}}
+    counters = cf.barrier_counters(1, L, "cuda")[0]
+    for batch in batches:
+        args = _inputs(cp, batch, "cuda")
+        row: dict = {"shapes": {}, "prefix_ms": [], "phased_step_ms": []}
+
+        def run(mode, tiles, step_range=None, args=args):
+            if mode == "persistent":
+                counters.zero_()
+            with torch.inference_mode():
+                cf.cp_forward(*args, mode, counters if mode == "persistent" else None, tiles=tiles,
+                              step_range=step_range)
+
+        for shape in shapes:
+            tiles = cf.Tiles() if shape == "default" else _tiles(shape)
+            ms = _bench_ms(lambda tiles=tiles: run("persistent", tiles))
+            row["shapes"][shape] = {"ms": ms, "tb_per_s": weight_bytes / ms / 1e9}
+            print(f"B{batch} {shape}: {ms * 1e3:.1f} us", flush=True)  # as it goes: a call can end early
+        first = cf.Tiles() if shapes[0] == "default" else _tiles(shapes[0])
+        for k in range(1, n_steps + 1):  # a cut's scratch is fresh: its numbers are garbage, its time is not
+            row["prefix_ms"].append(_bench_ms(lambda k=k, first=first: run("persistent", first, (0, k))))
+            print(f"B{batch} steps 0..{k - 1}: {row['prefix_ms'][-1] * 1e3:.1f} us", flush=True)
+        for s in range(n_steps):
+            row["phased_step_ms"].append(_bench_ms(lambda s=s, first=first: run("phased", first, (s, s + 1))))
+        bars = torch.zeros(n_steps + 1, device="cuda", dtype=torch.int32)
+
+        def barriers_only(bars=bars):
+            bars.zero_()
+            _barriers_only[(programs,)](bars, n_steps - 1, programs, SPIN_LIMIT=cf.SPIN_LIMIT)
+
+        row["barriers_only_ms"] = _bench_ms(barriers_only)
+        row["barrier_timeouts"] = int(counters[-1]) + int(bars[-1])
+        record["batches"][str(batch)] = row
+    return record
+
+
+def _tiles(shape: str):
+    import os
+
+    from engine.kernels import cp_forward as cf
+
+    saved = os.environ.get(cf.TILES_ENV)
+    os.environ[cf.TILES_ENV] = shape
+    try:
+        return cf.Tiles.from_env()
+    finally:
+        if saved is None:
+            del os.environ[cf.TILES_ENV]
+        else:
+            os.environ[cf.TILES_ENV] = saved
+
+
+def step_name(step: int, layers: int) -> str:
+    return "head" if step == 5 * layers else f"L{step // 5} {PHASE_NAMES[step % 5]}"
+
+
+def print_tables(record: dict, layers: int) -> None:
+    print(f"{record['gpu']}: {record['programs']} programs, {record['weight_bytes'] / 1e6:.1f} MB of weights a forward")
+    for batch, row in record["batches"].items():
+        print(f"\nB{batch}: whole forward per launch shape")
+        for shape, r in row["shapes"].items():
+            print(f"  {shape:<28} {r['ms'] * 1e3:8.1f} us  {r['tb_per_s']:5.2f} TB/s")
+        print(f"  25 barriers alone: {row['barriers_only_ms'] * 1e3:.1f} us; "
+              f"barrier timeouts {row['barrier_timeouts']}")
+        print(f"B{batch}: step, persistent prefix rise (step + barrier) us, phased step alone us")
+        previous = 0.0
+        for s, (prefix, alone) in enumerate(zip(row["prefix_ms"], row["phased_step_ms"], strict=True)):
+            print(f"  {s:>2} {step_name(s, layers):<9} {(prefix - previous) * 1e3:8.1f} {alone * 1e3:8.1f}")
+            previous = prefix
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir")
+    ap.add_argument("--model", default="random:1.7b")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--shapes", nargs="+", default=["default"])
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("probe_cp_forward needs a CUDA device", file=sys.stderr)
+        return 2
+    from engine.model_source import load_model
+
+    loaded = load_model(a.model, "cuda", torch.bfloat16)
+    record = probe(loaded, a.batches, a.shapes)
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "probe_cp_forward.json").write_text(json.dumps(record, indent=1))
+    print_tables(record, loaded.tts.talker.code_predictor.model.cfg.num_layers)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
