@@ -208,3 +208,27 @@ def test_switch_and_shape_errors(code_predictor, monkeypatch):
     with pytest.raises(ValueError, match="phased or persistent"):
         cf.cp_forward(stack, x, cos, sin, cache.k, cache.v, slots, positions, stack.norm.weight,
                       code_predictor.lm_head[0].weight, "off")
+
+
+def test_the_probe_tool_measures_every_step_and_shape_on_the_cpu(capsys):
+    """engine.tools.probe_cp_forward's own logic (cuts, steps alone, barriers alone, shapes, the table) through
+    triton's interpreter with one program; a bench that counts its calls stands in for the GPU timer."""
+    from engine.tools import probe_cp_forward as probe
+
+    loaded = build_random_model("tiny", seed=5)
+    calls = []
+
+    def bench(fn):
+        fn()
+        calls.append(1)
+        return 0.001 * len(calls)
+
+    record = probe.probe(loaded, [2], ["default", "warps=2/k=16"], device="cpu", bench=bench)
+    steps = cf.steps(loaded.tts.talker.code_predictor.cfg.num_layers)
+    row = record["batches"]["2"]
+    assert list(row["shapes"]) == ["default", "warps=2/k=16"]
+    assert len(row["prefix_ms"]) == steps and len(row["phased_step_ms"]) == steps
+    assert len(calls) == 2 + 2 * steps + 1 and row["barrier_timeouts"] == 0
+    probe.print_tables(record, loaded.tts.talker.code_predictor.cfg.num_layers)
+    out = capsys.readouterr().out
+    assert "head" in out and "L0 qkv" in out and "barriers alone" in out

@@ -61,8 +61,12 @@ def _bench_ms(fn) -> float:
     return float(triton.testing.do_bench_cudagraph(fn, rep=50))
 
 
-def probe(loaded, batches: list[int], shapes: list[str]) -> dict:
+def probe(loaded, batches: list[int], shapes: list[str], device: str = "cuda", bench=None) -> dict:
+    """The tables' numbers. device "cpu" and a `bench` that runs fn once (tests: the tool's logic through triton's
+    interpreter, one program)."""
     from engine.kernels import cp_forward as cf
+
+    bench = bench or _bench_ms
 
     cp = loaded.tts.talker.code_predictor
     cfg = cp.model.cfg
@@ -71,39 +75,39 @@ def probe(loaded, batches: list[int], shapes: list[str]) -> dict:
     weights = cf.stacked_layers(cp.model)
     weight_bytes = sum(t.numel() * t.element_size() for t in (weights.qkv, weights.o, weights.gate_up, weights.down,
                                                               cp.lm_head[2].weight))
-    programs = cf._multiprocessors(torch.device("cuda"))
-    record = {"gpu": torch.cuda.get_device_name(), "programs": programs, "weight_bytes": weight_bytes,
-              "batches": {}}
-    counters = cf.barrier_counters(1, L, "cuda")[0]
+    programs = cf._multiprocessors(torch.device(device)) if device == "cuda" else 1
+    record = {"gpu": torch.cuda.get_device_name() if device == "cuda" else device, "programs": programs,
+              "weight_bytes": weight_bytes, "batches": {}}
+    counters = cf.barrier_counters(1, L, device)[0]
     for batch in batches:
-        args = _inputs(cp, batch, "cuda")
+        args = _inputs(cp, batch, device)
         row: dict = {"shapes": {}, "prefix_ms": [], "phased_step_ms": []}
 
         def run(mode, tiles, step_range=None, args=args):
             if mode == "persistent":
                 counters.zero_()
             with torch.inference_mode():
-                cf.cp_forward(*args, mode, counters if mode == "persistent" else None, tiles=tiles,
-                              step_range=step_range)
+                cf.cp_forward(*args, mode, counters if mode == "persistent" else None, programs=programs,
+                              tiles=tiles, step_range=step_range)
 
         for shape in shapes:
             tiles = cf.Tiles() if shape == "default" else _tiles(shape)
-            ms = _bench_ms(lambda tiles=tiles: run("persistent", tiles))
+            ms = bench(lambda tiles=tiles: run("persistent", tiles))
             row["shapes"][shape] = {"ms": ms, "tb_per_s": weight_bytes / ms / 1e9}
             print(f"B{batch} {shape}: {ms * 1e3:.1f} us", flush=True)  # as it goes: a call can end early
         first = cf.Tiles() if shapes[0] == "default" else _tiles(shapes[0])
         for k in range(1, n_steps + 1):  # a cut's scratch is fresh: its numbers are garbage, its time is not
-            row["prefix_ms"].append(_bench_ms(lambda k=k, first=first: run("persistent", first, (0, k))))
+            row["prefix_ms"].append(bench(lambda k=k, first=first: run("persistent", first, (0, k))))
             print(f"B{batch} steps 0..{k - 1}: {row['prefix_ms'][-1] * 1e3:.1f} us", flush=True)
         for s in range(n_steps):
-            row["phased_step_ms"].append(_bench_ms(lambda s=s, first=first: run("phased", first, (s, s + 1))))
-        bars = torch.zeros(n_steps + 1, device="cuda", dtype=torch.int32)
+            row["phased_step_ms"].append(bench(lambda s=s, first=first: run("phased", first, (s, s + 1))))
+        bars = torch.zeros(n_steps + 1, device=device, dtype=torch.int32)
 
         def barriers_only(bars=bars):
             bars.zero_()
             _barriers_only[(programs,)](bars, n_steps - 1, programs, SPIN_LIMIT=cf.SPIN_LIMIT)
 
-        row["barriers_only_ms"] = _bench_ms(barriers_only)
+        row["barriers_only_ms"] = bench(barriers_only)
         row["barrier_timeouts"] = int(counters[-1]) + int(bars[-1])
         record["batches"][str(batch)] = row
     return record
