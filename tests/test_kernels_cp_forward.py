@@ -223,12 +223,17 @@ def test_the_probe_tool_measures_every_step_and_shape_on_the_cpu(capsys):
         calls.append(1)
         return 0.001 * len(calls)
 
-    record = probe.probe(loaded, [2], ["default", "warps=2/k=16"], device="cpu", bench=bench)
+    # split=4 runs of k=32 cannot tile the tiny model's K of 64: that shape records its error, the others go on
+    record = probe.probe(loaded, [2], ["default", "split=4/k=32", "warps=2/k=16"], device="cpu", bench=bench)
     steps = cf.steps(loaded.tts.talker.code_predictor.cfg.num_layers)
     row = record["batches"]["2"]
-    assert list(row["shapes"]) == ["default", "warps=2/k=16"]
+    assert list(row["shapes"]) == ["default", "split=4/k=32", "warps=2/k=16"]
+    assert "do not tile" in row["shapes"]["split=4/k=32"]["error"] and "ms" in row["shapes"]["warps=2/k=16"]
     assert len(row["prefix_ms"]) == steps and len(row["phased_step_ms"]) == steps
     assert len(calls) == 2 + 2 * steps + 1 and row["barrier_timeouts"] == 0
     probe.print_tables(record, loaded.tts.talker.code_predictor.cfg.num_layers)
     out = capsys.readouterr().out
-    assert "head" in out and "L0 qkv" in out and "barriers alone" in out
+    assert "head" in out and "L0 qkv" in out and "barriers alone" in out and "do not tile" in out
+    shapes_only = probe.probe(loaded, [1], ["default"], device="cpu", bench=bench, per_step=False)["batches"]["1"]
+    assert shapes_only["prefix_ms"] == [] and shapes_only["phased_step_ms"] == [] and "ms" in shapes_only["shapes"][
+        "default"]

@@ -61,9 +61,11 @@ def _bench_ms(fn) -> float:
     return float(triton.testing.do_bench_cudagraph(fn, rep=50))
 
 
-def probe(loaded, batches: list[int], shapes: list[str], device: str = "cuda", bench=None) -> dict:
-    """The tables' numbers. device "cpu" and a `bench` that runs fn once (tests: the tool's logic through triton's
-    interpreter, one program)."""
+def probe(loaded, batches: list[int], shapes: list[str], device: str = "cuda", bench=None,
+          per_step: bool = True) -> dict:
+    """The tables' numbers (per_step False: the launch shapes only). device "cpu" and a `bench` that runs fn once
+    (tests: the tool's logic through triton's interpreter, one program). A shape that fails to compile or run (too
+    much shared memory for its tiles, say) is recorded with its error and the others go on."""
     from engine.kernels import cp_forward as cf
 
     bench = bench or _bench_ms
@@ -92,14 +94,20 @@ def probe(loaded, batches: list[int], shapes: list[str], device: str = "cuda", b
 
         for shape in shapes:
             tiles = cf.Tiles() if shape == "default" else _tiles(shape)
-            ms = bench(lambda tiles=tiles: run("persistent", tiles))
+            try:
+                ms = bench(lambda tiles=tiles: run("persistent", tiles))
+            except Exception as exc:  # noqa: BLE001 (any compile or launch failure is this shape's result)
+                row["shapes"][shape] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                print(f"B{batch} {shape}: {row['shapes'][shape]['error']}", flush=True)
+                continue
             row["shapes"][shape] = {"ms": ms, "tb_per_s": weight_bytes / ms / 1e9}
             print(f"B{batch} {shape}: {ms * 1e3:.1f} us", flush=True)  # as it goes: a call can end early
         first = cf.Tiles() if shapes[0] == "default" else _tiles(shapes[0])
-        for k in range(1, n_steps + 1):  # a cut's scratch is fresh: its numbers are garbage, its time is not
+        # a cut's scratch is fresh: its numbers are garbage, its time is not
+        for k in range(1, n_steps + 1 if per_step else 1):
             row["prefix_ms"].append(bench(lambda k=k, first=first: run("persistent", first, (0, k))))
             print(f"B{batch} steps 0..{k - 1}: {row['prefix_ms'][-1] * 1e3:.1f} us", flush=True)
-        for s in range(n_steps):
+        for s in range(n_steps if per_step else 0):
             row["phased_step_ms"].append(bench(lambda s=s, first=first: run("phased", first, (s, s + 1))))
         bars = torch.zeros(n_steps + 1, device=device, dtype=torch.int32)
 
@@ -138,7 +146,10 @@ def print_tables(record: dict, layers: int) -> None:
     for batch, row in record["batches"].items():
         print(f"\nB{batch}: whole forward per launch shape")
         for shape, r in row["shapes"].items():
-            print(f"  {shape:<28} {r['ms'] * 1e3:8.1f} us  {r['tb_per_s']:5.2f} TB/s")
+            if "error" in r:
+                print(f"  {shape:<28} {r['error']}")
+            else:
+                print(f"  {shape:<28} {r['ms'] * 1e3:8.1f} us  {r['tb_per_s']:5.2f} TB/s")
         print(f"  25 barriers alone: {row['barriers_only_ms'] * 1e3:.1f} us; "
               f"barrier timeouts {row['barrier_timeouts']}")
         print(f"B{batch}: step, persistent prefix rise (step + barrier) us, phased step alone us")
@@ -154,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="random:1.7b")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--shapes", nargs="+", default=["default"])
+    ap.add_argument("--no-steps", action="store_true", help="the launch shapes only, not the per-step tables")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("probe_cp_forward needs a CUDA device", file=sys.stderr)
@@ -161,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.model_source import load_model
 
     loaded = load_model(a.model, "cuda", torch.bfloat16)
-    record = probe(loaded, a.batches, a.shapes)
+    record = probe(loaded, a.batches, a.shapes, per_step=not a.no_steps)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "probe_cp_forward.json").write_text(json.dumps(record, indent=1))
