@@ -228,16 +228,25 @@ def _store_tile(y_ptr, row_stride, rows, n0, N, y, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _residual_tile(res_ptr, rows, tile, N: tl.constexpr, acc, out_ptr, sumsq_ptr, TILES: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[:, tile] = (acc rounded) + res[:, tile], rounded: the residual add of add_rms_norm. In place is fine
-    (res_ptr == out_ptr): a tile's columns belong to one program. The tile's share of each row's sum of squares
-    goes to sumsq[row, tile] ([rows, TILES] fp32), so the RMSNorm after it reads TILES partials a row instead of
-    the whole row in every program (_rstd_from_partials)."""
+def _load_residual(res_ptr, rows, tile, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The residual's [BLOCK_M, BLOCK_N] tile `tile` (rows x N, row stride N); zeros past the edges."""
     rm = tl.arange(0, BLOCK_M)
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rm < rows)[:, None] & (rn < N)[None, :]
-    res = tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+    return tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _residual_tile(res, rows, tile, N: tl.constexpr, acc, out_ptr, sumsq_ptr, TILES: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[:, tile] = (acc rounded) + res, rounded: the residual add of add_rms_norm (res: _load_residual's tile, so
+    a caller can issue that load before its K loop rather than wait for it after). In place is fine (the residual
+    is out_ptr): a tile's columns belong to one program. The tile's share of each row's sum of squares goes to
+    sumsq[row, tile] ([rows, TILES] fp32), so the RMSNorm after it reads TILES partials a row instead of the whole
+    row in every program (_rstd_from_partials)."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rm < rows)[:, None] & (rn < N)[None, :]
     y = (acc.to(res.dtype).to(tl.float32) + res.to(tl.float32)).to(res.dtype)
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], y, mask=ok)
     f = tl.where(ok, y.to(tl.float32), 0.0)
@@ -268,11 +277,14 @@ def _residual_step(x_ptr, K: tl.constexpr, w_ptr, res_ptr, h_ptr, sumsq_ptr, par
     while item < H_TILES * SPLIT:
         tile = item // SPLIT
         run = item % SPLIT
-        acc = _matmul_tile(x_ptr, K, rows, K, w_ptr, 0.0, w_ptr, tile * BLOCK_N, H, False, BLOCK_M, BLOCK_N, BLOCK_K,
-                           IEEE, run * K_SPAN, K_SPAN)
-        if SPLIT == 1:
-            _residual_tile(res_ptr, rows, tile, H, acc, h_ptr, sumsq_ptr, H_TILES, BLOCK_M, BLOCK_N)
+        if SPLIT == 1:  # the residual's load issued first: its latency overlaps the K loop instead of following it
+            res = _load_residual(res_ptr, rows, tile, H, BLOCK_M, BLOCK_N)
+            acc = _matmul_tile(x_ptr, K, rows, K, w_ptr, 0.0, w_ptr, tile * BLOCK_N, H, False, BLOCK_M, BLOCK_N,
+                               BLOCK_K, IEEE, 0, K)
+            _residual_tile(res, rows, tile, H, acc, h_ptr, sumsq_ptr, H_TILES, BLOCK_M, BLOCK_N)
         else:
+            acc = _matmul_tile(x_ptr, K, rows, K, w_ptr, 0.0, w_ptr, tile * BLOCK_N, H, False, BLOCK_M, BLOCK_N,
+                               BLOCK_K, IEEE, run * K_SPAN, K_SPAN)
             rm = tl.arange(0, BLOCK_M)
             rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             ok = (rm < rows)[:, None] & (rn < H)[None, :]
@@ -283,7 +295,8 @@ def _residual_step(x_ptr, K: tl.constexpr, w_ptr, res_ptr, h_ptr, sumsq_ptr, par
                 total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 for s in tl.static_range(SPLIT):
                     total += tl.load(at + s * rows * H, mask=ok, other=0.0, cache_modifier=".cg")
-                _residual_tile(res_ptr, rows, tile, H, total, h_ptr, sumsq_ptr, H_TILES, BLOCK_M, BLOCK_N)
+                _residual_tile(_load_residual(res_ptr, rows, tile, H, BLOCK_M, BLOCK_N), rows, tile, H, total, h_ptr,
+                               sumsq_ptr, H_TILES, BLOCK_M, BLOCK_N)
                 tl.atomic_xchg(ticket_ptr + tile, 0)
         item += programs
 
