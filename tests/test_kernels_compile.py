@@ -130,19 +130,15 @@ def compile_cp_forward(dtype: str) -> None:
                 "pos_ptr": "*i64"}
     geometry = {"L": 5, "H": 1024, "HQ": 16, "HKV": 8, "D": 128, "FF": 3072, "V": 2048, "BLOCK_K": 128,
                 "BN_QKV": 32, "BN_RES": 16, "BN_UP": 32, "BN_HEAD": 16, "BLOCK_TILES": 64, "IEEE": dtype == "fp32",
-                "BLOCK_C": 16, "SPIN_LIMIT": 1 << 16, "THREADS": 128}
+                "BLOCK_C": 16, "SPIN_LIMIT": 1 << 16}
     # the Code Predictor's first forward at B1 (two tokens) and a later one at B64, in both modes
-    for persistent, block_m, block_b, block_qm, block_t, split, prefetch in (
-            (True, 16, 16, 16, 2, 1, 2), (False, 64, 64, 16, 2, 1, 0), (True, 16, 16, 16, 2, 4, 1),
-            (True, 64, 64, 16, 2, 1, 0)):
+    for persistent, block_m, block_b, block_qm, block_t, split in ((True, 16, 16, 16, 2, 1), (False, 64, 64, 16, 2, 1),
+                                                                   (True, 16, 16, 16, 2, 4)):
         ptx = _compile(cp_forward._cp_forward_kernel, dtype,
                        geometry | {"BLOCK_M": block_m, "BLOCK_B": block_b, "BLOCK_QM": block_qm, "BLOCK_T": block_t,
-                                   "PERSISTENT": persistent, "SPLIT": split, "PREFETCH": prefetch}, pointers,
-                       aligned=True)
+                                   "PERSISTENT": persistent, "SPLIT": split}, pointers, aligned=True)
         # the grid barrier: arrivals released, the wait acquired (an acquire load), at GPU scope; none without it
         assert ("atom.global.gpu.release" in ptx and "ld.global.gpu.acquire" in ptx) == persistent, persistent
-        # the next steps' weights asked of L2 ahead of use, only where asked for
-        assert ("cp.async.bulk.prefetch.L2.global" in ptx) == (prefetch > 0), prefetch
         # one program per multiprocessor streams its weights only if its K loops are pipelined (async copies)
         assert "cp.async" in ptx
 

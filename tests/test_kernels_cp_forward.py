@@ -156,21 +156,10 @@ def test_another_launch_shape_gives_the_same_forward(code_predictor, monkeypatch
     with pytest.raises(ValueError, match="do not tile"):
         _run(code_predictor, "phased", 1, 1, 0, torch.float32)
     for bad, message in (("residual=24", "power of two"), ("warps=3", "warps 3"), ("block=64", "names"),
-                         ("qkv=x", "names"), ("split=3", "split=3"), ("prefetch=5", "prefetch=5")):
+                         ("qkv=x", "names"), ("split=3", "split=3")):
         monkeypatch.setenv(cf.TILES_ENV, bad)
         with pytest.raises(ValueError, match=message):
             cf.Tiles.from_env()
-
-
-def test_the_l2_prefetch_is_taken_only_where_its_pieces_are_whole_16_byte_units(caplog):
-    """The bulk prefetch moves multiples of 16 bytes: a launch shape that would cut a weight row finer runs without
-    it, and says so (the prefetch itself is sm_90 PTX; tests/test_kernels_compile.py checks it is emitted)."""
-    assert cf.Tiles.from_env().prefetch == 2
-    assert cf._prefetch_fits(cf.Tiles(), 1024, 2048, 3072)  # the 1.7B Code Predictor: 256-byte pieces and up
-    with caplog.at_level(logging.WARNING, logger="voicelane.kernels.cp_forward"):
-        # 512 threads cut a 16-row tile's 384-column K run (split 8 of 3072) into 24-byte pieces
-        assert not cf._prefetch_fits(cf.Tiles(warps=16, split=8), 1024, 2048, 3072)
-    assert "without the L2 prefetch" in caplog.text
 
 
 def test_a_batch_above_the_kernels_rows_runs_layer_by_layer_and_says_so(code_predictor, monkeypatch, caplog):

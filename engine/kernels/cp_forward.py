@@ -114,72 +114,6 @@ def _grid_barrier(counter_ptr, target, timeouts_ptr, SPIN_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows(w_ptr, row0, N, K: tl.constexpr, k_lo, SPAN: tl.constexpr, BLOCK_N: tl.constexpr,
-                   THREADS: tl.constexpr):
-    """Ask L2 for rows row0 .. row0 + BLOCK_N of w [N, K], columns k_lo .. k_lo + SPAN: bulk prefetches (sm_90), no
-    data moved to the multiprocessor and nothing waited for. Rows past N are clamped to the last. Each row is cut
-    into THREADS // BLOCK_N pieces so that every thread issues its own piece: a [BLOCK_N] tensor alone would be
-    replicated across the program's threads, each copy a duplicate request."""
-    PIECES: tl.constexpr = THREADS // BLOCK_N if THREADS > BLOCK_N else 1
-    PIECE_BYTES: tl.constexpr = SPAN * (w_ptr.dtype.element_ty.primitive_bitwidth // 8) // PIECES
-    rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), N - 1)
-    piece = tl.arange(0, PIECES)
-    at = w_ptr + rows.to(tl.int64)[:, None] * K + k_lo + piece[None, :] * (PIECE_BYTES // (
-        w_ptr.dtype.element_ty.primitive_bitwidth // 8))
-    nbytes = tl.full([BLOCK_N, PIECES], PIECE_BYTES, tl.int32)
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [at, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_step(step, pid, programs, w_qkv_ptr, w_o_ptr, w_gu_ptr, w_down_ptr, w_head_ptr,
-                   L: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, FF: tl.constexpr,
-                   V: tl.constexpr, NQKV: tl.constexpr, H_TILES: tl.constexpr, SPLIT: tl.constexpr,
-                   BN_QKV: tl.constexpr, BN_RES: tl.constexpr, BN_UP: tl.constexpr, BN_HEAD: tl.constexpr,
-                   THREADS: tl.constexpr):
-    """Prefetch into L2 the weights this program will read in `step` (its own work items, as the step loop deals
-    them): weights do not depend on activations, so they can be on their way while earlier steps compute and wait
-    at barriers. The attention step reads no weights."""
-    layer = step // 5
-    phase = step % 5
-    at_layer = layer.to(tl.int64)
-    if layer == L:
-        tile = pid
-        while tile < tl.cdiv(V, BN_HEAD):
-            _prefetch_rows(w_head_ptr, tile * BN_HEAD, V, H, 0, H, BN_HEAD, THREADS)
-            tile += programs
-    elif phase == 0:
-        tile = pid
-        while tile < tl.cdiv(NQKV, BN_QKV):
-            _prefetch_rows(w_qkv_ptr + at_layer * NQKV * H, tile * BN_QKV, NQKV, H, 0, H, BN_QKV, THREADS)
-            tile += programs
-    elif phase == 3:
-        tile = pid
-        while tile < tl.cdiv(FF, BN_UP):
-            up_w = w_gu_ptr + at_layer * 2 * FF * H
-            _prefetch_rows(up_w, tile * BN_UP, FF, H, 0, H, BN_UP, THREADS)
-            _prefetch_rows(up_w + FF * H, tile * BN_UP, FF, H, 0, H, BN_UP, THREADS)
-            tile += programs
-    elif phase == 2:
-        _prefetch_residual_step(w_o_ptr + at_layer * H * HQ * D, pid, programs, H, HQ * D, H_TILES, SPLIT, BN_RES,
-                                THREADS)
-    elif phase == 4:
-        _prefetch_residual_step(w_down_ptr + at_layer * H * FF, pid, programs, H, FF, H_TILES, SPLIT, BN_RES,
-                                THREADS)
-
-
-@triton.jit
-def _prefetch_residual_step(w_ptr, pid, programs, H: tl.constexpr, K: tl.constexpr, H_TILES: tl.constexpr,
-                            SPLIT: tl.constexpr, BN_RES: tl.constexpr, THREADS: tl.constexpr):
-    """_prefetch_step for o and down: column tiles of w [H, K], each in SPLIT runs of K (as _residual_step)."""
-    SPAN: tl.constexpr = K // SPLIT
-    item = pid
-    while item < H_TILES * SPLIT:
-        _prefetch_rows(w_ptr, (item // SPLIT) * BN_RES, H, K, (item % SPLIT) * SPAN, SPAN, BN_RES, THREADS)
-        item += programs
-
-
-@triton.jit
 def _row_rstd(x_ptr, row_stride, rows, K: tl.constexpr, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """1 / rms of each of `rows` rows of K values (fp32 statistics): [BLOCK_M]."""
     rm = tl.arange(0, BLOCK_M)
@@ -356,7 +290,7 @@ def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_pt
                        BLOCK_QM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
                        BN_QKV: tl.constexpr, BN_RES: tl.constexpr, BN_UP: tl.constexpr,
                        BN_HEAD: tl.constexpr, BLOCK_TILES: tl.constexpr, SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
-                       SPIN_LIMIT: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr,
+                       SPIN_LIMIT: tl.constexpr,
                        IEEE: tl.constexpr, GDC: tl.constexpr):
     wait_inputs(GDC)
     pid = tl.program_id(0)
@@ -366,18 +300,8 @@ def _cp_forward_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_pt
     # the residual's partial sums of squares: one per column tile of the two steps that end in the residual add
     H_TILES: tl.constexpr = (H + BN_RES - 1) // BN_RES
     # while loops: triton 3.6's interpreter cannot take a runtime scalar as a range() bound (numpy >= 2)
-    N_STEPS: tl.constexpr = 5 * L + 1
     step = first
     while step < last:
-        if PREFETCH > 0:  # the weights of the step PREFETCH ahead (past the head: the next forward's first steps)
-            if step == first:
-                for ahead in tl.static_range(1, PREFETCH):
-                    _prefetch_step((step + ahead) % N_STEPS, pid, programs, w_qkv_ptr, w_o_ptr, w_gu_ptr, w_down_ptr,
-                                   w_head_ptr, L, H, HQ, D, FF, V, NQKV, H_TILES, SPLIT, BN_QKV, BN_RES, BN_UP,
-                                   BN_HEAD, THREADS)
-            _prefetch_step((step + PREFETCH) % N_STEPS, pid, programs, w_qkv_ptr, w_o_ptr, w_gu_ptr, w_down_ptr,
-                           w_head_ptr, L, H, HQ, D, FF, V, NQKV, H_TILES, SPLIT, BN_QKV, BN_RES, BN_UP, BN_HEAD,
-                           THREADS)
         layer = step // 5
         phase = step % 5
         if layer == L:  # the head, on each batch row's last token (row stride T * H)
@@ -515,27 +439,6 @@ def _multiprocessors(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def _bulk_prefetch(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def _prefetch_fits(tiles: Tiles, H: int, o_k: int, FF: int) -> bool:
-    """Whether every piece _prefetch_rows asks for is a multiple of 16 bytes (the bulk prefetch's unit), for 2-byte
-    weights; logged once when not (the kernel then runs without prefetching)."""
-    threads = 32 * tiles.warps
-    spans = ((H, tiles.qkv), (H, tiles.up), (H, tiles.head), (o_k // tiles.split, tiles.residual),
-             (FF // tiles.split, tiles.residual))
-    fits = all((2 * span // max(1, threads // rows)) % 16 == 0 for span, rows in spans)
-    if not fits and tiles not in _UNFIT_PREFETCH:
-        _UNFIT_PREFETCH.add(tiles)
-        log.warning("cp_forward: launch shape %s cuts a weight row into pieces that are not a multiple of 16 bytes; "
-                    "it runs without the L2 prefetch", tiles)
-    return fits
-
-
-_UNFIT_PREFETCH: set = set()
-
-
 # e.g. "qkv=64,o=16,k=256,warps=8" (or "/" between items, for bench/gpu_round.sh's VARIANTS): a shape to measure
 TILES_ENV = "VOICELANE_CP_FORWARD_TILES"
 
@@ -554,12 +457,16 @@ class Tiles:
     k: int = 128
     warps: int = 4
     stages: int = 3
-    prefetch: int = 2  # steps ahead whose weights a persistent program asks L2 for (0: none); CUDA only
 
     @classmethod
     def from_env(cls) -> Tiles:
-        text = os.environ.get(TILES_ENV, "").strip()
-        if not text:
+        return cls.parse(os.environ.get(TILES_ENV, ""))
+
+    @classmethod
+    def parse(cls, text: str) -> Tiles:
+        """A shape in TILES_ENV's syntax ("" or "default": the defaults)."""
+        text = text.strip()
+        if not text or text == "default":
             return cls()
         names = {f.name for f in fields(cls)}
         values = {}
@@ -575,8 +482,6 @@ class Tiles:
                 raise ValueError(f"{TILES_ENV}: {name}={size} must be a power of two >= 16 (a tensor-core tile)")
         if tiles.split not in (1, 2, 4, 8):
             raise ValueError(f"{TILES_ENV}: split={tiles.split} must be 1, 2, 4 or 8")
-        if not 0 <= tiles.prefetch <= 4:
-            raise ValueError(f"{TILES_ENV}: prefetch={tiles.prefetch} must be 0 to 4 steps ahead")
         if tiles.warps not in (1, 2, 4, 8, 16) or not 1 <= tiles.stages <= 6:
             raise ValueError(f"{TILES_ENV}: warps {tiles.warps} (1-16, a power of two), stages {tiles.stages} (1-6)")
         return tiles
@@ -656,10 +561,7 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
                 BLOCK_K=tiles.k, BN_QKV=tiles.qkv, BN_RES=tiles.residual, BN_UP=tiles.up,
                 BN_HEAD=tiles.head, BLOCK_TILES=triton.next_power_of_2(residual_tiles), SPLIT=tiles.split,
                 SPIN_LIMIT=spin_limit,
-                # a bulk L2 prefetch is sm_90 PTX: neither triton's interpreter nor older GPUs run it
-                PREFETCH=tiles.prefetch if mode == "persistent" and _bulk_prefetch(dev) and _prefetch_fits(
-                    tiles, H, HQ * D, FF) else 0,
-                THREADS=32 * tiles.warps, IEEE=dtype == torch.float32, num_warps=tiles.warps,
+                IEEE=dtype == torch.float32, num_warps=tiles.warps,
                 num_stages=tiles.stages, **launch_options(dev))
     eps, scale = stack.norm.eps, D**-0.5
     if mode == "persistent":

@@ -3,7 +3,7 @@
     python -m engine.tools.probe_cp_forward OUT_DIR [--model random:1.7b] [--batches 1 64]
         [--shapes default warps=8 k=256/stages=4]
 
-Every time is the median of triton.testing.do_bench_cudagraph over a CUDA graph of the launch (and, for a
+Every time is the median of triton.testing.do_bench_cudagraph's repetitions of a CUDA graph of the launch (and, for a
 persistent launch, the memset of its barrier counters), so host launch cost is not in it. For each batch (T = 1, a
 later forward, the cache filled to position 15):
 1. the whole forward in each launch shape (`--shapes`, VOICELANE_CP_FORWARD_TILES syntax; `default` is Tiles());
@@ -58,7 +58,7 @@ def _inputs(cp, batch: int, device: str):
 def _bench_ms(fn) -> float:
     fn()  # compile and warm outside the graph
     torch.cuda.synchronize()
-    return float(triton.testing.do_bench_cudagraph(fn, rep=50))
+    return float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
 
 
 def probe(loaded, batches: list[int], shapes: list[str], device: str = "cuda", bench=None,
@@ -93,7 +93,7 @@ def probe(loaded, batches: list[int], shapes: list[str], device: str = "cuda", b
                               tiles=tiles, step_range=step_range)
 
         for shape in shapes:
-            tiles = cf.Tiles() if shape == "default" else _tiles(shape)
+            tiles = cf.Tiles.parse(shape)
             try:
                 ms = bench(lambda tiles=tiles: run("persistent", tiles))
             except Exception as exc:  # noqa: BLE001 (any compile or launch failure is this shape's result)
@@ -102,7 +102,7 @@ def probe(loaded, batches: list[int], shapes: list[str], device: str = "cuda", b
                 continue
             row["shapes"][shape] = {"ms": ms, "tb_per_s": weight_bytes / ms / 1e9}
             print(f"B{batch} {shape}: {ms * 1e3:.1f} us", flush=True)  # as it goes: a call can end early
-        first = cf.Tiles() if shapes[0] == "default" else _tiles(shapes[0])
+        first = cf.Tiles.parse(shapes[0])
         # a cut's scratch is fresh: its numbers are garbage, its time is not
         for k in range(1, n_steps + 1 if per_step else 1):
             row["prefix_ms"].append(bench(lambda k=k, first=first: run("persistent", first, (0, k))))
@@ -119,22 +119,6 @@ def probe(loaded, batches: list[int], shapes: list[str], device: str = "cuda", b
         row["barrier_timeouts"] = int(counters[-1]) + int(bars[-1])
         record["batches"][str(batch)] = row
     return record
-
-
-def _tiles(shape: str):
-    import os
-
-    from engine.kernels import cp_forward as cf
-
-    saved = os.environ.get(cf.TILES_ENV)
-    os.environ[cf.TILES_ENV] = shape
-    try:
-        return cf.Tiles.from_env()
-    finally:
-        if saved is None:
-            del os.environ[cf.TILES_ENV]
-        else:
-            os.environ[cf.TILES_ENV] = saved
 
 
 def step_name(step: int, layers: int) -> str:
