@@ -1,8 +1,8 @@
 """The engine's public surface: the names code outside engine/ (the server, tools, tests of the server) may import.
 
-Importing the package loads no torch, so the server starts, parses its flags and serves its errors without it. The
-two names that need torch, `Engine` and `EngineContext`, are imported on first use (PEP 562); a type hint that
-names them goes under `if TYPE_CHECKING:`.
+Importing the package loads no torch, so the server starts, parses its flags and serves its errors without it (and,
+with the engine in a process of its own, serves without it). The one name that needs torch, `Engine`, is imported on
+first use (PEP 562); a type hint that names it goes under `if TYPE_CHECKING:`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from engine.api import (
     VoiceInfo,
 )
 from engine.config import MAX_SLOTS, EngineConfig, EngineConfigError, SchedulerConfig
+from engine.context import EngineContext
 from engine.model.sampling_params import SamplingError, SamplingParams
 from engine.model_source import (
     DTYPES,
@@ -36,6 +37,7 @@ from engine.model_source import (
     resolve_dtype_name,
     set_cpu_threads,
 )
+from engine.remote import EngineProcessError, RemoteEngine
 from engine.text.tokenizer import TextTokenizer
 from engine.types import (
     AudioChunk,
@@ -52,9 +54,9 @@ from engine.types import (
 )
 
 if TYPE_CHECKING:
-    from engine.engine import Engine, EngineContext
+    from engine.engine import Engine
 
-_NEEDS_TORCH = {"Engine": ("engine.engine", "Engine"), "EngineContext": ("engine.engine", "EngineContext")}
+_NEEDS_TORCH = {"Engine": ("engine.engine", "Engine")}
 
 
 def __getattr__(name: str):
@@ -81,6 +83,7 @@ __all__ = [
     "EngineConfigError",
     "EngineContext",
     "EngineError",
+    "EngineProcessError",
     "EngineEvent",
     "EngineStats",
     "FastPath",
@@ -92,6 +95,7 @@ __all__ = [
     "LoopStats",
     "PrefixCacheStats",
     "Readiness",
+    "RemoteEngine",
     "SamplingError",
     "SamplingParams",
     "SchedulerConfig",

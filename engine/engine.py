@@ -7,16 +7,15 @@ loop thread. Events come back through one asyncio queue per context, in order, e
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import replace
+from collections.abc import Callable
 
 import torch
 
 from engine import kernels
 from engine.api import (
-    ContextClosed,
     ContextSpec,
     EngineError,
     InvalidRequest,
@@ -25,6 +24,7 @@ from engine.api import (
     VoiceInfo,
 )
 from engine.config import EngineConfig
+from engine.context import OPS, EngineContext
 from engine.core import EngineCore
 from engine.model.checkpoint import LoadedModel
 from engine.model.prompt import LAYOUTS, PromptError, instruction_ids, resolve_voice, spoken_languages
@@ -32,107 +32,11 @@ from engine.model.sampling_params import SamplingError, SamplingParams
 from engine.runner import Runner, resolve_slots
 from engine.scheduler import AdmissionRefused, Scheduler
 from engine.trace import Timeline
-from engine.types import AudioChunk, ContextDone, EngineEvent, EngineStats, FastPath, Readiness
+from engine.types import ContextDone, EngineEvent, EngineStats, FastPath, Readiness
 
 log = logging.getLogger("voicelane.engine")
-PLAYBACK_STATES = ("buffering", "playing", "underrun", "finished")
-
-
-class EngineContext:
-    """The engine's handle on one open context (one stream of speech), made by Engine.open_context."""
-
-    def __init__(self, engine: Engine, cid: int, spec: ContextSpec, loop: asyncio.AbstractEventLoop):
-        self.engine, self.cid, self.spec = engine, cid, spec
-        self._queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
-        self._loop = loop
-        self.closed = False  # no more text
-        self.ended = False  # ContextDone was delivered
-        self.backlog_samples = 0  # audio delivered to the queue but not yet read by events(): a slow reader's debt
-        self.segment_tokens = 0  # text tokens of the open segment
-        self.audible_segment = -1  # the last segment reported audible (one scheduler call per segment)
-        # prompt positions besides the text (engine/model/prompt.py): the wrapped instruction, the role (3), the
-        # codec tags with the speaker (at most 6), then tts_eos and the codec_bos position (2)
-        instruction = len(spec.instruction_ids) + 3 if spec.instruction_ids else 0
-        self.prompt_overhead = instruction + 3 + 6 + 2
-
-    @property
-    def seed(self) -> int:
-        return self.spec.sampling.seed
-
-    def _op(self, fn, *args):
-        if self.ended:
-            raise ContextClosed("the context has ended")
-        return self.engine._call(fn, self.cid, *args)
-
-    def append_text(self, ids: list[int]) -> None:
-        if self.closed:
-            raise ContextClosed("text after context.close")
-        if not ids:
-            return
-        if self.spec.text_layout == "whole":  # the whole segment goes into the prompt: refuse what cannot fit
-            limit = self.engine.config.max_prompt_tokens - self.prompt_overhead
-            if self.segment_tokens + len(ids) > limit:
-                raise InvalidRequest("text_too_long", f"a whole-text segment may hold {limit} tokens (this one would "
-                                     f"reach {self.segment_tokens + len(ids)}); flush earlier, use text_layout "
-                                     "'dual', or raise --max-prompt-tokens", "text")
-        self._op(self.engine.scheduler.append_text, list(ids))
-        self.segment_tokens += len(ids)
-
-    def flush(self, words: int | None = None) -> int | None:
-        """End the current segment. Returns its index, or None if there was no text since the last flush."""
-        if self.closed:
-            raise ContextClosed("flush after context.close")
-        self.segment_tokens = 0
-        return self._op(self.engine.scheduler.end_segment, words)
-
-    def close(self, words: int | None = None) -> int | None:
-        if self.closed:
-            raise ContextClosed("context.close twice")
-        self.closed = True
-        return self._op(lambda cid, w, now: self.engine.scheduler.end_segment(cid, w, now, close=True), words)
-
-    def cancel(self) -> None:
-        if not self.ended:
-            self.engine._call(self.engine.scheduler.cancel, self.cid)
-
-    def report_playback(self, played_ms: float, state: str, buffered_ms: float | None = None) -> None:
-        """Where the listener is: played_ms on the context timeline, the player's state and, if the client knows
-        it, how much audio its buffer holds (more exact than delivered - played, which counts audio in flight)."""
-        if state not in PLAYBACK_STATES:
-            raise InvalidRequest("invalid_field", f"state {state!r}; one of {PLAYBACK_STATES}", "state")
-        if not self.ended:
-            buffered = None if buffered_ms is None else float(buffered_ms)
-            self.engine._call(self.engine.scheduler.playback, self.cid, float(played_ms), state, buffered)
-
-    def mark_audible(self, segment: int) -> None:
-        """The consumer's leading-silence trimmer found this segment's audible onset: the segment leaves the
-        first-audio class (spec.reports_onset). Cheap to call for every chunk after the onset."""
-        if segment > self.audible_segment and not self.ended:
-            self.audible_segment = segment
-            self.engine._call(self.engine.scheduler.mark_audible, self.cid, segment)
-
-    def inject_fault(self, kind: str, at_frame: int = 0) -> None:
-        """Test hook: make this context's model step fail ("exception") or produce NaN logits ("nan")."""
-        self.engine.runner.faults[self.cid] = (kind, at_frame)
-
-    async def events(self) -> AsyncIterator[EngineEvent]:
-        while True:
-            event = await self._queue.get()
-            if isinstance(event, AudioChunk):
-                self.backlog_samples -= len(event.pcm)
-            yield event
-            if isinstance(event, ContextDone):
-                return
-
-    def _push(self, events: list[EngineEvent], handed: float | None = None) -> None:
-        """On the event loop: queue events the engine thread handed over at `handed` (time.monotonic())."""
-        received = time.monotonic()
-        for e in events:
-            if isinstance(e, AudioChunk):
-                self.backlog_samples += len(e.pcm)
-                if e.first_audio is not None:  # a segment's first audio: its trip to the loop is part of its TTFA
-                    e = replace(e, first_audio=replace(e.first_audio, handed=handed, received=received))
-            self._queue.put_nowait(e)
+# the contexts' events, grouped per context, and when they were handed over (time.monotonic())
+HandOver = Callable[[list[tuple[EngineContext, list[EngineEvent]]], float], None]
 
 
 class Engine:
@@ -149,6 +53,13 @@ class Engine:
         self.core = EngineCore(self.scheduler, self.runner, self._deliver, self.timeline, plan_lead_s=lead)
         self.core.on_crash = self._fail_everything
         self.contexts: dict[int, EngineContext] = {}
+        # where delivered events go: each context's event loop here; the pipe to the server in an engine process
+        self.hand_over: HandOver = self._hand_to_loops
+        s = self.scheduler
+        self._ops = {"append_text": s.append_text, "end_segment": s.end_segment,
+                     "close": functools.partial(s.end_segment, close=True), "cancel": s.cancel,
+                     "playback": s.playback, "mark_audible": s.mark_audible}
+        assert set(self._ops) == set(OPS), "engine.context.OPS and Engine._ops name the same operations"
         self.sampling_defaults = SamplingParams.from_generation_config(loaded.config.generation).with_overrides(
             max_frames=min(2048, self.config.max_frames))
         self.info = self._model_info()
@@ -229,7 +140,9 @@ class Engine:
                          device=str(self.loaded.device), dtype=str(self.loaded.dtype).replace("torch.", ""),
                          cuda_graphs=graphs, triton_kernels=self._kernels_report(),
                          random_weights=self.loaded.random_weights, first_audio_lane=self._lane_report(),
-                         first_audio_chain=self._chain_report())
+                         first_audio_chain=self._chain_report(),
+                         engine_process=FastPath(False, "off (--engine-process): the engine thread shares the server's "
+                                                        "process and its GIL"))
 
     def _chain_report(self) -> FastPath:
         if not self.config.scheduler.first_audio_chain:
@@ -267,8 +180,21 @@ class Engine:
     def stop(self) -> None:
         self.core.stop()
 
+    def running(self) -> bool:
+        """False once the loop thread has died."""
+        return self.core.crashed is None
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Nothing to do in this process: each context hands its events to the loop that opened it."""
+
     # ------------------------------------------------------------------ contexts
     def open_context(self, spec: ContextSpec) -> EngineContext:
+        loop = asyncio.get_running_loop()
+        return self.admit(spec, lambda cid: EngineContext(self, cid, spec, loop))
+
+    def admit(self, spec: ContextSpec, make: Callable[[int], EngineContext]) -> EngineContext:
+        """Validate `spec` and admit it (InvalidRequest, Overloaded); `make(cid)` builds the context's handle,
+        registered before any of its events can exist."""
         cfg = self.loaded.config
         try:
             voice = resolve_voice(cfg, spec.voice, spec.language)
@@ -286,14 +212,13 @@ class Engine:
                                  f"limit {self.config.max_frames}", "max_frames")
         if self.core.crashed is not None:
             raise EngineError(f"the engine has stopped ({type(self.core.crashed).__name__}); restart the server")
-        loop = asyncio.get_running_loop()
         with self.core.lock:
             try:
                 cid = self.scheduler.open_context(voice, spec.sampling, time.monotonic(), layout=spec.text_layout,
                                                   instruction=instruction, reports_onset=spec.reports_onset)
             except AdmissionRefused as exc:
                 raise Overloaded(str(exc)) from None
-            ctx = EngineContext(self, cid, spec, loop)
+            ctx = make(cid)
             self.contexts[cid] = ctx
         self.timeline.name_context(cid, spec.trace_id)
         return ctx
@@ -301,23 +226,27 @@ class Engine:
     def _fail_everything(self, exc: BaseException) -> None:
         """The loop died (e.g. the device failed): end every open context so no client waits forever."""
         message = f"engine stopped: {type(exc).__name__}: {exc}"
+        routed = []
         for cid, ctx in list(self.contexts.items()):
             ctx.ended = True
             del self.contexts[cid]
-            done = ContextDone("error", 0, "internal", message, cid=cid)
-            ctx._loop.call_soon_threadsafe(ctx._push, [done])
+            routed.append((ctx, [ContextDone("error", 0, "internal", message, cid=cid)]))
+        self.hand_over(routed, time.monotonic())
 
-    def _call(self, fn, cid: int, *args):
+    def submit(self, op: str, cid: int, *args) -> None:
+        """A context's scheduler operation (engine.context.OPS), applied now under the core's lock."""
         with self.core.lock:
-            out = fn(cid, *args, time.monotonic())
+            self._ops[op](cid, *args, time.monotonic())
             events = self.scheduler.drain_outbox()
         if events:
             self._deliver(events)
         self.core.wake.set()
-        return out
+
+    def inject_fault(self, cid: int, kind: str, at_frame: int) -> None:
+        self.runner.faults[cid] = (kind, at_frame)
 
     def _deliver(self, events: list[EngineEvent]) -> None:
-        """Route the scheduler's events to the contexts' queues (called on the engine thread or inside a call)."""
+        """Route the scheduler's events to their contexts (called on the engine thread or inside a submit)."""
         routed: dict[int, tuple[EngineContext, list[EngineEvent]]] = {}
         for e in events:
             ctx = self.contexts.get(e.cid)
@@ -328,9 +257,13 @@ class Engine:
                 ctx.ended = True
                 self.runner.faults.pop(e.cid, None)
                 del self.contexts[e.cid]
-        handed = time.monotonic()
-        for ctx, batch in routed.values():
-            ctx._loop.call_soon_threadsafe(ctx._push, batch, handed)
+        if routed:
+            self.hand_over(list(routed.values()), time.monotonic())
+
+    @staticmethod
+    def _hand_to_loops(routed: list[tuple[EngineContext, list[EngineEvent]]], handed: float) -> None:
+        for ctx, batch in routed:
+            ctx.hand_over(batch, handed)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:

@@ -53,10 +53,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VOICELANE_CACHE") or Path.home() / ".cache" / "voicelane")
 
 
+# Beside the weights: nothing in the published layout says they are random, and random weights never end an
+# utterance, so the tools that load this folder cap each one by its words (as the server does) only if told.
+RANDOM_MARKER = "voicelane_random_weights.json"
+
+
+def is_random_checkpoint(directory: str | Path) -> bool:
+    return (Path(directory) / RANDOM_MARKER).is_file()
+
+
 def is_random(spec: str) -> bool:
     """Random weights: tiny-random, random:<size>, or a folder written by engine.tools.make_checkpoint."""
-    from engine.tools.make_checkpoint import is_random_checkpoint
-
     return spec == TINY_RANDOM or spec.startswith("random:") or is_random_checkpoint(Path(spec).expanduser())
 
 

@@ -287,11 +287,13 @@ class Readiness:
     first_audio_lane: FastPath | None = None
     # the first-audio chain (a segment's first three steps as one), and why not where it gave way; None: the same
     first_audio_chain: FastPath | None = None
+    # the engine in a process of its own (--engine-process), or sharing the server's; None: the same as above
+    engine_process: FastPath | None = None
 
     def to_json(self) -> dict:
         out = asdict(self)
         out["cuda_graphs"], out["triton_kernels"] = self.cuda_graphs.to_json(), self.triton_kernels.to_json()
-        for name in ("first_audio_lane", "first_audio_chain"):
+        for name in ("first_audio_lane", "first_audio_chain", "engine_process"):
             path = getattr(self, name)
             if path is None:
                 del out[name]

@@ -27,6 +27,7 @@ from engine import (
     RANDOM_SIZES,
     TINY_RANDOM,
     EngineConfig,
+    RemoteEngine,
     SchedulerConfig,
     TextTokenizer,
     is_random,
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--encode-threads", type=int, default=max(2, min(8, (os.cpu_count() or 2))))
     g.add_argument("--gil-switch-interval-ms", type=float, default=ServerConfig.gil_switch_interval_ms,
                    help="how long a thread may hold the GIL while another waits (0: Python's 5 ms)")
+    g.add_argument("--engine-process", choices=["on", "off"], default="off",
+                   help="run the engine in a process of its own, so the server's event loop and the engine's loop "
+                        "thread do not share one GIL (the server process then never imports torch)")
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up utterance before /ready")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
@@ -174,7 +178,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
                        engine=engine, api_keys=Secret(dict.fromkeys(keys)),
                        metrics_key=Secret([a.metrics_key] if a.metrics_key else []),
                        allowed_origins=tuple(o.strip() for v in a.allowed_origins for o in v.split(",") if o.strip()),
-                       random_seed=a.seed, test_hooks=a.enable_test_hooks, warmup=not a.no_warmup)
+                       random_seed=a.seed, test_hooks=a.enable_test_hooks, warmup=not a.no_warmup,
+                       engine_process=a.engine_process == "on")
     cfg.validate()
     check_model_spec(cfg.model)
     return cfg
@@ -219,7 +224,32 @@ def freeze_startup_objects() -> tuple[int, float]:
 
 
 def load_engine(cfg: ServerConfig):
-    """The model, loaded, warmed up and started, with its tokenizer (on the loader thread)."""
+    """The engine, loaded, warmed up and started, with its tokenizer (on the loader thread): here, or in a process
+    of its own (--engine-process on)."""
+    if cfg.engine_process:
+        engine = RemoteEngine.spawn(engine_process_main, cfg)
+        if engine.tokenizer_dir is None:
+            engine.stop()
+            raise RuntimeError("the model has no tokenizer directory")
+        tokenizer = TextTokenizer.from_dir(engine.tokenizer_dir)
+        frozen, full_ms = freeze_startup_objects()  # a full collection here would stall the event loop instead
+        log.info("server process: %d start-up objects frozen (%.0f ms a full collection)", frozen, full_ms)
+        return engine, tokenizer
+    engine = build_engine(cfg)
+    return engine, TextTokenizer.from_dir(engine.loaded.tokenizer_dir)
+
+
+def engine_process_main(cfg: ServerConfig):
+    """The engine process's build (RemoteEngine.spawn pickles this function by name): its own logging and GIL
+    switch interval, then the engine as this process would build it."""
+    setup_logging(cfg.log_level)
+    if cfg.gil_switch_interval_ms:
+        sys.setswitchinterval(cfg.gil_switch_interval_ms / 1000.0)
+    return build_engine(cfg)
+
+
+def build_engine(cfg: ServerConfig):
+    """Load the model, warm up, freeze the start-up objects out of the garbage collector, start the loop."""
     from engine import Engine  # its first use imports torch
 
     if cfg.device == "cpu":
@@ -229,7 +259,6 @@ def load_engine(cfg: ServerConfig):
     log.info("model %s loaded in %.1f s on %s (%s)", cfg.model, time.monotonic() - t0, loaded.device, loaded.dtype)
     if loaded.random_weights and not is_random(cfg.model):  # else print_config has shown it
         print(RANDOM_NOTICE.format(model=cfg.model), file=sys.stderr)
-    tokenizer = TextTokenizer.from_dir(loaded.tokenizer_dir)
     engine = Engine(loaded, cfg.engine)
     if cfg.warmup:
         log.info("warm-up: %.2f s", engine.warmup())
@@ -239,7 +268,7 @@ def load_engine(cfg: ServerConfig):
     log.info("%d start-up objects frozen out of the garbage collector (a full collection of them took %.0f ms)",
              frozen, full_ms)
     engine.start()
-    return engine, tokenizer
+    return engine
 
 
 def listen(host: str, port: int) -> socket.socket:

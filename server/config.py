@@ -85,6 +85,7 @@ class ServerConfig:
     test_hooks: bool = False  # fault injection through context.create (tests only)
     log_level: str = "info"
     warmup: bool = True
+    engine_process: bool = False  # the engine in a process of its own (engine/remote.py), off the server's GIL
 
     def validate(self) -> None:
         self.limits.validate()

@@ -23,7 +23,7 @@ from server.options import Catalog, Defaults
 from server.ratelimit import RateLimiter
 
 if TYPE_CHECKING:
-    from engine import Engine
+    from engine import Engine, RemoteEngine
 
 log = logging.getLogger("voicelane.server")
 
@@ -57,7 +57,7 @@ class Runtime:
         self.load_error: str | None = None
         self.loading = False
         self.started_at = time.time()
-        self.engine: Engine | None = None
+        self.engine: Engine | RemoteEngine | None = None
         self.tokenizer: TextTokenizer | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_load_failure = None  # called (on the loader thread) when the model cannot be loaded
@@ -65,7 +65,7 @@ class Runtime:
             self._install(engine, tokenizer)
 
     # ------------------------------------------------------------------ model
-    def _install(self, engine: Engine, tokenizer: TextTokenizer | None) -> None:
+    def _install(self, engine: Engine | RemoteEngine, tokenizer: TextTokenizer | None) -> None:
         if tokenizer is None:
             if engine.loaded.tokenizer_dir is None:
                 raise RuntimeError("the model has no tokenizer directory")
@@ -100,7 +100,7 @@ class Runtime:
 
         threading.Thread(target=run, name="voicelane-load", daemon=True).start()
 
-    def _loaded(self, engine: Engine, tokenizer: TextTokenizer) -> None:
+    def _loaded(self, engine: Engine | RemoteEngine, tokenizer: TextTokenizer) -> None:
         try:
             self._install(engine, tokenizer)
         except Exception as exc:  # noqa: BLE001
@@ -108,6 +108,7 @@ class Runtime:
             self.load_error = f"{type(exc).__name__}: {exc}"
         self.loading = False
         if self.engine is not None:
+            self.engine.attach(asyncio.get_running_loop())
             log.info("ready: model %s (%d voices, %s), serving on http://%s:%d", self.engine.info.name,
                      len(self.catalog.voices), "random weights" if self.engine.info.random_weights else "checkpoint",
                      self.config.host, self.config.port)
@@ -126,12 +127,7 @@ class Runtime:
         return self.config.engine.max_frames
 
     def engine_running(self) -> bool:
-        if self.engine is None:
-            return False
-        try:
-            return self.engine.readiness().engine_running
-        except Exception:  # noqa: BLE001
-            return False
+        return self.engine is not None and self.engine.running()
 
     def readiness(self) -> dict:
         r: dict = {"model_loaded": self.engine is not None, "loading": self.loading, "draining": self.draining}

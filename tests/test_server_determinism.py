@@ -1,16 +1,21 @@
 """Same text, same seed: the same codes and PCM within 1 LSB (s16), whichever door and however the text arrives:
-WebSocket word by word or whole, alone or among 8 concurrent contexts, and HTTP (docs/protocol.md 1.6)."""
+WebSocket word by word or whole, alone or among 8 concurrent contexts, and HTTP (docs/protocol.md 1.6); and with
+the engine in a process of its own."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import json
+import os
+import signal
+import time
+import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
-from live_server import Raw, collect, live_server, run
+from live_server import CONFIGS, Raw, collect, http_get, live_server, run, start_server
 
 TEXT = "The quick brown fox jumps over the lazy dog, again."
 SEED = 1234
@@ -110,3 +115,47 @@ def test_different_seed_differs(server):
 
     a, b = run(go())
     assert a != b
+
+
+def test_the_engine_in_its_own_process_says_the_same(server, tiny_checkpoint):
+    """--engine-process on: the same codes and PCM as the engine in the server's process, over HTTP and the
+    WebSocket; /ready names the engine's process; when that process dies, /health turns 503 and a new request is
+    refused with a typed error instead of hanging."""
+    ref_pcm, ref_codes = http_sse(server)
+    other = start_server(tiny_checkpoint, [*CONFIGS["default"], "--engine-process", "on"])
+    try:
+        ready = json.loads(http_get(other.http_url + "/ready")[2])
+        assert ready["engine_process"]["enabled"], ready
+        pid = int(ready["engine_process"]["mode"].split()[-1])
+        assert pid != other.proc.pid
+        with open(f"/proc/{other.proc.pid}/maps") as maps:  # the server's own process never loaded torch
+            assert "libtorch" not in maps.read()
+        pcm, codes = http_sse(other)
+        assert codes == ref_codes and np.abs(pcm.astype(np.int32) - ref_pcm.astype(np.int32)).max() <= 1
+
+        async def words():
+            raw = await Raw.open(other.ws_url)
+            await raw.send({"type": "context.create", "context_id": "w", "sampling": {"seed": SEED}})
+            created = await raw.expect("context.created")
+            for piece in pieces("words"):
+                await raw.send({"type": "text", "context_id": "w", "text": piece})
+            await raw.send({"type": "context.close", "context_id": "w"})
+            got = await collect(raw, "w", created["stream_id"])
+            await raw.close()
+            return got["end"]["codes_sha256"]
+
+        assert run(words()) == ref_codes
+
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while http_get(other.http_url + "/health")[0] != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        status, _, body = http_get(other.http_url + "/health")
+        assert status == 503 and json.loads(body)["status"] == "engine_stopped"
+        req = urllib.request.Request(other.http_url + "/v1/audio/speech", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"input": TEXT, "voice": "ryan"}).encode())
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=30)
+        assert refused.value.code in (500, 503) and json.loads(refused.value.read())["error"]["code"]
+    finally:
+        other.stop()

@@ -107,8 +107,7 @@ def test_profile_stages_measures_the_codec_in_every_layout(tmp_path):
 def test_synthesize_caps_random_weights_by_words(tmp_path):
     """Issue 10, item 8: the README's example (a make_checkpoint folder, no --max-frames) ran for a minute and wrote
     164 s of noise for "Hello there."; random weights are now capped at 5 frames per word, like the server."""
-    from engine.model_source import is_random
-    from engine.tools.make_checkpoint import is_random_checkpoint
+    from engine.model_source import is_random, is_random_checkpoint
     from engine.tools.make_checkpoint import main as make_checkpoint
 
     ckpt = tmp_path / "tiny"

@@ -16,19 +16,13 @@ import torch
 
 from engine.model.presets import SIZES
 from engine.model.random_model import write_checkpoint
+from engine.model_source import RANDOM_MARKER
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Beside the weights: nothing in the published layout says they are random, and random weights never end an
-# utterance, so the tools that load this folder cap each one by its words (as the server does) only if told.
-RANDOM_MARKER = "voicelane_random_weights.json"
 
 
 def mark_random(directory: str | Path, size: str, seed: int) -> None:
     (Path(directory) / RANDOM_MARKER).write_text(json.dumps({"size": size, "seed": seed}) + "\n")
-
-
-def is_random_checkpoint(directory: str | Path) -> bool:
-    return (Path(directory) / RANDOM_MARKER).is_file()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,8 +18,8 @@ from engine.model.checkpoint import load_checkpoint
 from engine.model.generate import Frame, GenerationRequest, generate
 from engine.model.prompt import LAYOUTS, PromptError, build_prompt, instruction_ids, resolve_voice
 from engine.model.sampling_params import SamplingError, SamplingParams
+from engine.model_source import is_random_checkpoint
 from engine.text.tokenizer import TextTokenizer
-from engine.tools.make_checkpoint import is_random_checkpoint
 
 SAMPLE_RATE = 24000
 # Random weights never end an utterance: without a cap one runs to the model's frame limit (2048 frames, 164 s of

@@ -1,0 +1,180 @@
+"""The engine in a process of its own (engine/remote.py, `--engine-process on`) on the CPU with the tiny checkpoint:
+it speaks as the engine in this process does, its errors keep their types, a fault stays in its context, segment
+numbers match the scheduler's, and a dead engine process ends every open context instead of hanging it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from engine import EngineContext
+from engine.api import ContextSpec, InvalidRequest, Overloaded
+from engine.config import EngineConfig, SchedulerConfig
+from engine.engine import Engine
+from engine.remote import EngineProcessError, RemoteEngine
+from engine.types import AudioChunk, ContextDone, SegmentDone
+from server.cli import engine_process_main
+from server.config import ServerConfig
+from tests.test_engine import GREEDY, TEXT, codes_of, pcm_of
+
+SEEDED = GREEDY.with_overrides(temperature=0.9, sub_temperature=0.9, top_k=50, seed=7, max_frames=12)
+
+
+def engine_config(max_slots: int = 8) -> EngineConfig:
+    sched = SchedulerConfig(max_slots=max_slots, admission_load=1e6, admission_first_audio_s=0)
+    return EngineConfig(scheduler=sched, max_frames=64, max_prompt_tokens=96)
+
+
+def spawn(checkpoint, max_slots: int = 8) -> RemoteEngine:
+    cfg = ServerConfig(model=str(checkpoint), device="cpu", dtype="float32", cpu_threads=2, warmup=False,
+                       log_level="warning", engine=engine_config(max_slots))
+    return RemoteEngine.spawn(engine_process_main, cfg, start_timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def remote(tiny_checkpoint):
+    engine = spawn(tiny_checkpoint)
+    yield engine
+    engine.stop()
+
+
+def spec(sampling=GREEDY, voice="ryan") -> ContextSpec:
+    return ContextSpec(voice=voice, language="english", sampling=sampling)
+
+
+async def say(engine, sampling, segments: list[list[int]]) -> tuple[EngineContext, list, list]:
+    """Each segment flushed, then close; returns the context, what flush/close returned, and every event."""
+    ctx = engine.open_context(spec(sampling))
+    returned = []
+    for ids in segments:
+        if ids:
+            ctx.append_text(ids)
+        returned.append(ctx.flush(words=len(ids)))
+    returned.append(ctx.close())
+    return ctx, returned, [ev async for ev in ctx.events()]
+
+
+def test_it_speaks_as_the_engine_in_this_process(remote, tiny_model):
+    cases = [(GREEDY, [TEXT]), (SEEDED, [TEXT[:5], TEXT[5:]])]
+
+    async def run(engine):
+        return [await say(engine, s, segs) for s, segs in cases]
+
+    remote_out = asyncio.run(run(remote))
+    local = Engine(tiny_model, engine_config())
+    local.start()
+    try:
+        local_out = asyncio.run(run(local))
+    finally:
+        local.stop()
+    for (_, r_ret, r_events), (_, l_ret, l_events) in zip(remote_out, local_out, strict=True):
+        assert r_ret == l_ret
+        assert len(codes_of(r_events)) > 0
+        np.testing.assert_array_equal(codes_of(r_events), codes_of(l_events))
+        np.testing.assert_allclose(pcm_of(r_events), pcm_of(l_events), atol=1e-5)
+        assert [type(e).__name__ for e in r_events] == [type(e).__name__ for e in l_events]
+        assert r_events[-1].reason == l_events[-1].reason == "max_frames"  # random weights never say EOS
+
+
+def test_segment_numbers_match_the_schedulers(remote):
+    """An empty flush is no segment: the numbers handed back are the SegmentDone numbers that arrive."""
+    _, returned, events = asyncio.run(say(remote, GREEDY, [TEXT[:4], [], TEXT[4:8]]))
+    assert returned == [0, None, 1, None]
+    assert [e.segment for e in events if isinstance(e, SegmentDone)] == [0, 1]
+
+
+def test_typed_errors_cross_the_process_boundary(remote, tiny_checkpoint):
+    async def bad_voice():
+        remote.open_context(spec(voice="nobody"))
+
+    with pytest.raises(InvalidRequest) as caught:
+        asyncio.run(bad_voice())
+    assert caught.value.code == "unknown_voice" and caught.value.param == "voice"
+
+    one_slot = spawn(tiny_checkpoint, max_slots=1)
+    try:
+        async def two():
+            first = one_slot.open_context(spec())
+            with pytest.raises(Overloaded, match="slots"):
+                one_slot.open_context(spec())
+            first.cancel()
+            return [ev async for ev in first.events()]
+
+        events = asyncio.run(two())
+        assert isinstance(events[-1], ContextDone) and events[-1].reason == "cancelled"
+    finally:
+        one_slot.stop()
+
+
+def test_a_fault_stays_in_its_context(remote):
+    async def main():
+        broken = remote.open_context(spec())
+        broken.inject_fault("exception", at_frame=2)
+        sibling = remote.open_context(spec())
+        for ctx in (broken, sibling):
+            ctx.append_text(TEXT)
+            ctx.close()
+        return [ev async for ev in broken.events()], [ev async for ev in sibling.events()]
+
+    broken, sibling = asyncio.run(main())
+    assert broken[-1].reason == "error" and broken[-1].error_code == "synthesis_failed"
+    assert sibling[-1].reason == "max_frames" and len(codes_of(sibling)) == GREEDY.max_frames
+
+
+def test_barge_in_stops_the_stream(remote):
+    async def main():
+        ctx = remote.open_context(spec(GREEDY.with_overrides(max_frames=64)))
+        ctx.append_text(TEXT)
+        events = []
+        async for ev in ctx.events():
+            events.append(ev)
+            if isinstance(ev, AudioChunk):
+                ctx.cancel()
+        return events
+
+    events = asyncio.run(main())
+    assert events[-1].reason == "cancelled"
+    assert sum(len(e.codes) for e in events if isinstance(e, AudioChunk)) < 64
+
+
+def test_a_dead_engine_process_ends_every_open_context(tiny_checkpoint):
+    engine = spawn(tiny_checkpoint)
+    try:
+        async def main():
+            ctx = engine.open_context(spec(GREEDY.with_overrides(max_frames=64)))
+            ctx.append_text(TEXT)
+            events = ctx.events()
+            first = await anext(events)  # it is speaking
+            os.kill(engine.pid, signal.SIGKILL)
+            rest = [ev async for ev in events]
+            return first, rest
+
+        first, rest = asyncio.run(asyncio.wait_for(main(), 60))
+        assert isinstance(first, (AudioChunk, SegmentDone))
+        done = rest[-1]
+        assert isinstance(done, ContextDone) and done.reason == "error" and done.error_code == "internal"
+        assert "engine process exited" in done.error_message
+        assert not engine.running()
+        ready = engine.readiness()
+        assert not ready.engine_running and not ready.engine_process.enabled
+
+        async def another():
+            engine.open_context(spec())
+
+        with pytest.raises(EngineProcessError):
+            asyncio.run(another())
+    finally:
+        engine.stop()
+
+
+def test_readiness_names_the_engine_process(remote):
+    ready = remote.readiness()
+    assert ready.engine_running and ready.engine_process.enabled
+    assert ready.engine_process.mode == f"process {remote.pid}" and remote.pid != os.getpid()
+    assert remote.stats().max_slots == 8
+    assert "traceEvents" in json.loads(remote.chrome_trace())
