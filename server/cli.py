@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rate-limit-burst", type=int, default=10, help="requests a client may send at once")
     g.add_argument("--http-head-timeout-s", type=float, default=10.0,
                    help="a request head must arrive whole within this (slow-loris guard); else the connection closes")
+    g.add_argument("--http-keepalive-s", type=float, default=ServerConfig.http_keepalive_s,
+                   help="an idle kept-alive HTTP connection closes after this; keep it above your clients' pool "
+                        "expiry (httpx 5 s, aiohttp 15 s), or a request sent as the server closes is lost")
     g.add_argument("--http-body-timeout-s", type=float, default=30.0,
                    help="a request body must arrive whole within this after its head; else 408 request_timeout")
     g.add_argument("--max-connections-per-client", type=int, default=256,
@@ -146,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 RANDOM_FRAMES_PER_WORD = 5  # about 2.5 words per second, like real speech
 # flags that keep their ServerConfig field's name
 SAME_NAME = ("model", "host", "port", "max_sessions", "default_voice", "cpu_threads", "drain_timeout_s",
-             "rate_limit_rps", "rate_limit_burst", "http_head_timeout_s", "http_body_timeout_s",
+             "rate_limit_rps", "rate_limit_burst", "http_head_timeout_s", "http_body_timeout_s", "http_keepalive_s",
              "max_connections_per_client", "opus_complexity", "encode_threads", "gil_switch_interval_ms",
              "log_level")
 
@@ -317,10 +320,12 @@ def serve(cfg: ServerConfig) -> int:
     ws = "websockets-sansio" if "websockets-sansio" in WS_PROTOCOLS else "websockets"
     # "auto": uvloop and httptools where they are installed, else asyncio and h11
     http_protocol = guarded_protocol(import_from_string(HTTP_PROTOCOLS["auto"]),
-                                     ClientConnections(cfg.max_connections_per_client), cfg.http_head_timeout_s)
+                                     ClientConnections(cfg.max_connections_per_client), cfg.http_head_timeout_s,
+                                     cfg.http_keepalive_s)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="auto", http=http_protocol, ws=ws,
                             ws_max_size=cfg.limits.max_message_bytes, ws_per_message_deflate=False,
                             log_config=None, access_log=False, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=cfg.http_keepalive_s,
                             lifespan="on")
     server = _server_class()(config, runtime)  # a class made lazily: uvicorn is imported only to serve
     runtime.on_load_failure = lambda: setattr(server, "should_exit", True)

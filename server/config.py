@@ -74,6 +74,9 @@ class ServerConfig:
     http_max_body_bytes: int = 1 << 20
     http_head_timeout_s: float = 10.0  # a request head must be complete this long after it may start
     http_body_timeout_s: float = 30.0  # a request body must be complete this long after its head
+    # an idle kept-alive HTTP connection is closed after this. Longer than clients' own pool expiry (httpx 5 s,
+    # aiohttp 15 s): a server that closes first races the client's next request, which then fails unsent
+    http_keepalive_s: float = 30.0
     max_connections_per_client: int = 256  # open HTTP connections per client address; 0 = unlimited
     rate_limit_rps: float = 0.0  # speech requests per second per API key (or client address); 0 = off
     rate_limit_burst: int = 10
@@ -97,6 +100,7 @@ class ServerConfig:
              f"rate_limit_burst = {self.rate_limit_burst}; use rps >= 0 (0 = off) and burst >= 1"),
             (self.http_head_timeout_s <= 0 or self.http_body_timeout_s <= 0, "http_head_timeout_s = "
              f"{self.http_head_timeout_s}, http_body_timeout_s = {self.http_body_timeout_s}; both must be > 0"),
+            (self.http_keepalive_s <= 0, f"http_keepalive_s = {self.http_keepalive_s}; must be > 0"),
             (self.max_connections_per_client < 0, f"max_connections_per_client = {self.max_connections_per_client}; "
              "use 0 (unlimited) or more"),
             (self.drain_timeout_s < 0, f"drain_timeout_s = {self.drain_timeout_s}; it must be >= 0"),

@@ -7,9 +7,10 @@ The body deadline is enforced where the body is read (server/http/openai_api.py:
 
 `guarded_protocol(base, ...)` subclasses uvicorn's HTTP protocol class (httptools or h11; both keep `cycle`, the
 request being served, and upgrade through `handle_websocket_upgrade`). A head is complete when a new request cycle
-starts; a head deadline fires only if none has started since it was armed (at connect, and after each response
-while the connection is kept alive). An upgraded connection belongs to the WebSocket layer and leaves both guards
-(its sessions have their own limits and timeouts).
+starts; a head deadline fires only if none has started since it was armed: at connect, and after each response
+while the connection is kept alive, where it allows the keep-alive time first (uvicorn closes a connection idle
+that long; a head deadline of its own there would cut idle kept-alive connections short, with a reset). An upgraded
+connection belongs to the WebSocket layer and leaves both guards (its sessions have their own limits and timeouts).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class ClientConnections:
             del self.open[address]
 
 
-def guarded_protocol(base: type, connections: ClientConnections, head_timeout_s: float) -> type:
+def guarded_protocol(base: type, connections: ClientConnections, head_timeout_s: float,
+                     keepalive_s: float = 0.0) -> type:
     class Guarded(base):
         _address: str | None = None  # counted against the cap while set
         _refused = False
@@ -64,7 +66,7 @@ def guarded_protocol(base: type, connections: ClientConnections, head_timeout_s:
                 return
             self._address = address
             super().connection_made(transport)
-            self._arm_head_deadline()
+            self._arm_head_deadline(head_timeout_s)
 
         def connection_lost(self, exc) -> None:
             self._leave_guards()
@@ -84,12 +86,12 @@ def guarded_protocol(base: type, connections: ClientConnections, head_timeout_s:
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing():
-                self._arm_head_deadline()
+                self._arm_head_deadline(keepalive_s + head_timeout_s)
 
-        def _arm_head_deadline(self) -> None:
+        def _arm_head_deadline(self, seconds: float) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
-            self._head_timer = self.loop.call_later(head_timeout_s, self._head_deadline, self.cycle)
+            self._head_timer = self.loop.call_later(seconds, self._head_deadline, self.cycle)
 
         def _head_deadline(self, cycle_when_armed) -> None:
             self._head_timer = None

@@ -15,7 +15,8 @@ from websockets.exceptions import ConnectionClosed
 from server.ws.outbox import OutItem, OutQueue
 
 LIMITS = ["--max-unsent-bytes", str(1 << 20), "--max-messages-per-s", "50", "--message-burst", "20",
-          "--http-head-timeout-s", "1", "--http-body-timeout-s", "1", "--max-connections-per-client", "12"]
+          "--http-head-timeout-s", "1", "--http-body-timeout-s", "1", "--max-connections-per-client", "12",
+          "--http-keepalive-s", "2.5"]
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +151,37 @@ def test_slow_heads_and_bodies_time_out(server):
     for s in (slow_body, endless):
         data, took = read_all(s)
         assert data.startswith(b"HTTP/1.1 408") and b"request_timeout" in data and took < 5, (data, took)
+
+
+def read_response(s: socket.socket) -> bytes:
+    """One whole response with a Content-Length body (b"" if the server closed instead)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += s.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def test_kept_alive_connections_idle_for_the_keepalive_time_not_the_head_deadline(server):
+    """A W1 run lost one request of 5974 unsent (the client's ReadError): the server closed idle connections after
+    5 s, the same moment httpx's pool expires them. Now idle kept-alive connections last --http-keepalive-s (2.5 s
+    here), the head deadline (1 s) does not cut them, and past it the server closes them cleanly."""
+    s = open_conn(server)
+    get = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    s.sendall(get)
+    assert read_response(s).startswith(b"HTTP/1.1 200")
+    time.sleep(1.6)  # past the head deadline, within the keep-alive time
+    s.sendall(get)
+    assert read_response(s).startswith(b"HTTP/1.1 200")
+    data, took = read_all(s)  # idle now: the server closes after 2.5 s, without a reset
+    assert data == b"" and 2.0 < took < 6.0, (data, took)
 
 
 def test_connections_per_client_are_capped(server):
