@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
+import pickle
 import signal
 import threading
 import time
@@ -44,6 +46,8 @@ log = logging.getLogger("voicelane.engine")
 PIPE_BYTES = 1 << 20  # the events pipe's buffer: a burst of audio never blocks the engine thread on the server
 START_TIMEOUT_S = 1800.0  # loading, capturing graphs and warming up; a first Triton compile is most of it
 CALL_TIMEOUT_S = 30.0
+READ_BYTES = 1 << 20
+READS_PER_WAKE = 16
 
 
 class EngineProcessError(EngineError):
@@ -60,6 +64,32 @@ class Hello:
     config: EngineConfig  # as resolved there (slots sized from the device's memory)
     tokenizer_dir: str | None
     readiness: Readiness
+
+
+def _frame(message: tuple) -> bytes:
+    """The events pipe's framing: 8 bytes of length, then the pickle. Our own, not Connection.send's: the server
+    reads the pipe without blocking (the event loop's reader), so it must take frames in pieces."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return len(data).to_bytes(8, "little") + data
+
+
+def _frames(inbox: bytearray) -> list[tuple]:
+    """The whole frames at the head of `inbox`, removed from it; a partial frame stays for the next read."""
+    out, start = [], 0
+    while len(inbox) - start >= 8:
+        size = int.from_bytes(inbox[start:start + 8], "little")
+        if len(inbox) - start - 8 < size:
+            break
+        out.append(pickle.loads(inbox[start + 8:start + 8 + size]))
+        start += 8 + size
+    del inbox[:start]
+    return out
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _error_reply(exc: Exception) -> tuple[str, str, str, str | None]:
@@ -111,6 +141,7 @@ class RemoteEngine:
         self._commands, self._events, self._replies = commands, events, replies
         self._call_lock = threading.Lock()  # one call in flight: replies come back in order
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._inbox = bytearray()  # bytes of the events pipe not yet parsed into whole frames
         self._lost: str | None = None  # why the engine can no longer serve
         self._readiness = hello.readiness  # the last answer, kept for when the process is gone
         self._stats: EngineStats | None = None
@@ -148,6 +179,7 @@ class RemoteEngine:
             return
         self._detach()
         self._loop = loop
+        os.set_blocking(self._events.fileno(), False)  # as uvloop sets it anyway: frames arrive in pieces
         loop.add_reader(self._events.fileno(), self._read_events)
 
     def running(self) -> bool:
@@ -157,8 +189,14 @@ class RemoteEngine:
         if self._loop is not None and not self._loop.is_closed() and not self._events.closed:
             self._loop.remove_reader(self._events.fileno())
 
-    def stop(self) -> None:
+    def _close_events(self) -> None:
+        """Stop reading for good. Closing our end also unblocks an engine thread stuck writing into a full pipe
+        (its write fails), so the engine process can stop."""
         self._detach()
+        self._events.close()
+
+    def stop(self) -> None:
+        self._close_events()
         if self.process.is_alive():
             try:
                 self._commands.send(("stop",))
@@ -195,17 +233,26 @@ class RemoteEngine:
             pass
 
     def _read_events(self) -> None:
-        """On the event loop, whenever the events pipe is readable."""
+        """On the event loop, whenever the events pipe is readable: what has arrived, then each whole frame."""
+        eof = False
         try:
-            while self._events.poll():
-                message = self._events.recv()
-                if message[0] == "events":
-                    self._route(message[2], message[1])
-                elif message[0] == "crashed":
-                    self._lose(f"the engine loop stopped: {message[1]}")
-        except (EOFError, OSError):
+            for _ in range(READS_PER_WAKE):  # then back to the loop; it calls again while there is more
+                chunk = os.read(self._events.fileno(), READ_BYTES)
+                if not chunk:
+                    eof = True
+                    break
+                self._inbox += chunk
+        except BlockingIOError:
+            pass
+        except OSError:
+            eof = True
+        for message in _frames(self._inbox):
+            if message[0] == "events":
+                self._route(message[2], message[1])
+            elif message[0] == "crashed":
+                self._lose(f"the engine loop stopped: {message[1]}")
+        if eof:
             self.process.join(0.2)  # it has closed its end: it is exiting (the join is for its exit code)
-            self._detach()
             self._lose(f"the engine process exited (exit code {self.process.exitcode})")
 
     def _route(self, batches: list[tuple[int, list[EngineEvent]]], handed: float) -> None:
@@ -223,6 +270,7 @@ class RemoteEngine:
         if self._lost is None:
             self._lost = reason
             log.error("engine process %d: %s; ending %d open context(s)", self.pid, reason, len(self.contexts))
+            self._close_events()
         now = time.monotonic()
         for cid, ctx in list(self.contexts.items()):
             ctx.ended = True
@@ -249,10 +297,10 @@ class RemoteEngine:
         comes from the event loop's thread: the server's handlers are coroutines.)"""
         deadline = time.monotonic() + CALL_TIMEOUT_S
         while True:
-            ready = wait([self._replies, self._events], timeout=0.05)
+            ready = wait([self._replies] if self._events.closed else [self._replies, self._events], timeout=0.05)
             if self._replies in ready:
                 return self._replies.recv()
-            if self._events in ready and self._loop is not None:
+            if self._events in ready and self._loop is not None and not self._events.closed:
                 self._read_events()
             if self._lost is not None:
                 raise EngineProcessError(f"the engine has stopped ({self._lost}) during {name}")
@@ -318,9 +366,10 @@ class _EngineServer:
         self._send(("events", handed, [(ctx.cid, batch) for ctx, batch in routed]))
 
     def _send(self, message: tuple) -> None:
+        frame = _frame(message)
         with self._send_lock:
             try:
-                self.events.send(message)
+                _write_all(self.events.fileno(), frame)
             except OSError:
                 pass  # the server has gone: the command loop sees the pipe close and stops the engine
 

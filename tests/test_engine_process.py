@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -178,3 +179,53 @@ def test_readiness_names_the_engine_process(remote):
     assert ready.engine_process.mode == f"process {remote.pid}" and remote.pid != os.getpid()
     assert remote.stats().max_slots == 8
     assert "traceEvents" in json.loads(remote.chrome_trace())
+
+
+def test_frames_cross_in_pieces_under_uvloop(tiny_checkpoint, remote, monkeypatch):
+    """The server's loop reads the events pipe without blocking (uvloop makes the descriptor non-blocking whatever
+    we ask), so a delivery larger than the pipe arrives in pieces. On the H200, Connection.recv on that descriptor
+    raised BlockingIOError at 20 RPS, read as the engine process's death: every request after it failed. Here the
+    pipe holds 4 KiB, so every audio chunk arrives in pieces, and eight streams run at once."""
+    uvloop = pytest.importorskip("uvloop")
+    import engine.remote
+
+    async def together(engine):
+        async def one(i):
+            return (await say(engine, GREEDY.with_overrides(max_frames=24), [TEXT[: 4 + i]]))[2]
+
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    reference = asyncio.run(together(remote))
+    monkeypatch.setattr(engine.remote, "PIPE_BYTES", 4096)
+    small = spawn(tiny_checkpoint)
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            pieces = runner.run(together(small))
+    finally:
+        small.stop()
+    for got, want in zip(pieces, reference, strict=True):
+        assert got[-1].reason == want[-1].reason == "max_frames"
+        np.testing.assert_array_equal(codes_of(got), codes_of(want))
+        np.testing.assert_allclose(pcm_of(got), pcm_of(want), atol=1e-5)
+
+
+def test_stop_is_prompt_while_the_engine_thread_waits_on_a_full_pipe(tiny_checkpoint, monkeypatch):
+    """On the H200 the server's stop waited 10 s and killed the engine process: its engine thread was blocked
+    writing into a pipe nobody read any more. Closing our end first fails that write, and the process exits."""
+    import engine.remote
+
+    monkeypatch.setattr(engine.remote, "PIPE_BYTES", 4096)
+    engine_ = spawn(tiny_checkpoint)
+
+    async def start_and_leave():
+        for _ in range(4):
+            ctx = engine_.open_context(spec(GREEDY.with_overrides(max_frames=64)))
+            ctx.append_text(TEXT)
+            ctx.close()
+        await asyncio.sleep(1.0)  # the loop reads while it runs; then nobody reads
+
+    asyncio.run(start_and_leave())
+    time.sleep(1.0)  # the engine fills the 4 KiB pipe and blocks
+    t0 = time.monotonic()
+    engine_.stop()
+    assert time.monotonic() - t0 < 5.0 and engine_.process.exitcode == 0
