@@ -229,3 +229,12 @@ def test_stop_is_prompt_while_the_engine_thread_waits_on_a_full_pipe(tiny_checkp
     t0 = time.monotonic()
     engine_.stop()
     assert time.monotonic() - t0 < 5.0 and engine_.process.exitcode == 0
+
+
+def test_a_start_up_failure_is_reported_with_its_cause(tmp_path):
+    cfg = ServerConfig(model=str(tmp_path / "no-such-checkpoint"), device="cpu", warmup=False, log_level="error",
+                       engine=engine_config())
+    t0 = time.monotonic()
+    with pytest.raises(EngineProcessError, match="failed to start.*no-such-checkpoint"):
+        RemoteEngine.spawn(engine_process_main, cfg, start_timeout_s=120)
+    assert time.monotonic() - t0 < 60
