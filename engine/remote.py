@@ -308,6 +308,8 @@ class RemoteEngine:
                 raise EngineProcessError(f"the engine process exited (exit code {self.process.exitcode}) during "
                                          f"{name}")
             if time.monotonic() > deadline:
+                # a late reply would be read as the next call's: the engine is wedged, so stop serving through it
+                self._lose(f"no answer to {name} within {CALL_TIMEOUT_S:g} s")
                 raise EngineProcessError(f"the engine process did not answer {name} within {CALL_TIMEOUT_S:g} s")
 
     def readiness(self) -> Readiness:

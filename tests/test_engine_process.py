@@ -238,3 +238,26 @@ def test_a_start_up_failure_is_reported_with_its_cause(tmp_path):
     with pytest.raises(EngineProcessError, match="failed to start.*no-such-checkpoint"):
         RemoteEngine.spawn(engine_process_main, cfg, start_timeout_s=120)
     assert time.monotonic() - t0 < 60
+
+
+def test_an_engine_process_that_stops_answering_is_given_up(tiny_checkpoint, monkeypatch):
+    """A reply that came after its call had timed out would be read as the next call's answer: instead, the first
+    call without an answer ends the engine's service (every context ends; /health would say so)."""
+    import engine.remote
+
+    engine_ = spawn(tiny_checkpoint)
+    try:
+        os.kill(engine_.pid, signal.SIGSTOP)  # alive, silent
+        monkeypatch.setattr(engine.remote, "CALL_TIMEOUT_S", 0.5)
+
+        async def main():
+            with pytest.raises(EngineProcessError, match="did not answer open_context"):
+                engine_.open_context(spec())
+            with pytest.raises(EngineProcessError, match="has stopped"):
+                engine_.open_context(spec())
+
+        asyncio.run(main())
+        assert not engine_.running() and not engine_.readiness().engine_running
+    finally:
+        os.kill(engine_.pid, signal.SIGCONT)
+        engine_.stop()
