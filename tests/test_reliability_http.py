@@ -61,9 +61,12 @@ def test_lone_surrogates_anywhere_are_invalid_field(server, raw, param):
 
 
 class DeadEngine:
-    """An engine whose loop thread has crashed (what Engine.readiness reports then)."""
+    """An engine whose loop thread has crashed (what Engine.running and Engine.readiness report then)."""
 
     info = SimpleNamespace(name="dead", random_weights=True)
+
+    def running(self) -> bool:
+        return False
 
     def readiness(self) -> Readiness:
         off = FastPath(False, "dead")
