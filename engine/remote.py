@@ -1,5 +1,6 @@
 """The engine in a process of its own (`--engine-process on`): the server's event loop and the engine's loop thread
-stop sharing one GIL (issue 13 item 4). No torch here: the server's process never imports it.
+stop sharing one GIL (issue 13 item 4). No torch here: with an explicit --device the server's process never
+imports it.
 
     server process (RemoteEngine)                      engine process (serve_engine_process)
     open_context, readiness, stats, trace -- call -->  command thread: Engine.admit / readiness / stats
