@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 report's load points, all against one server started here (docs/benchmarks/README.md says why each).
 #   bench/run_h200.sh OUT_DIR PHASE...      phases: profile engine (no server), w1 w1:RPS:WINDOW_S capacity w2 w3
-# (MODEL, SERVER_ARGS, WARMUP, WINDOW, W1_RPS override the defaults, e.g. for a CPU smoke run with tiny-random.)
+# (MODEL, SERVER_ARGS, WARMUP, WINDOW, W1_RPS and CAPACITY_ARGS, the capacity search's rates, override the
+# defaults, e.g. for a CPU smoke run with tiny-random.)
 # On a copy of the tree whose git metadata is stale, set VOICELANE_COMMIT so the reports name the right commit.
 # capacity is resumable: keep OUT_DIR/capacity_w1.json and run the phase again until it exits 0.
 set -u
@@ -42,8 +43,8 @@ for phase in "$@"; do
     w1) RATES=${W1_RPS:-1 10 20}
         python3 -m bench.loadgen "${COMMON[@]}" --workload w1 --rps $RATES --baseline "$BASE" \
           --out "$OUT/w1_rps${RATES// /_}.json" || status=1 ;;
-    capacity) python3 -m bench.capacity "${COMMON[@]}" --workload w1 --start 1 --factor 2 --min-rps 0.25 \
-          --max-rps 40 --resolution 0.1 --min-step 0.25 --budget "${CAPACITY_BUDGET:-240}" \
+    capacity) python3 -m bench.capacity "${COMMON[@]}" --workload w1 ${CAPACITY_ARGS:---start 1 --factor 2 \
+          --min-rps 0.25 --max-rps 40 --resolution 0.1 --min-step 0.25} --budget "${CAPACITY_BUDGET:-240}" \
           --state "$OUT/capacity_w1.json"; rc=$?; [ $rc -eq 0 ] || { echo "capacity: exit $rc (75 = run again)"; status=$rc; } ;;
     w1:*:*) IFS=: read -r _ rps window <<<"$phase"  # one rate, its own window (e.g. w1:10:300)
         python3 -m bench.loadgen --url "$URL" --warmup "${WARMUP:-15}" --window "$window" --seed 0 --workload w1 \
