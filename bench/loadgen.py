@@ -26,9 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -70,6 +71,9 @@ class PointConfig:
     cooldown: bool = True  # keep the load on after the window until the measured requests have ended
     min_words: int = 0  # use only the prompts of min_words..max_words words (default: all of them)
     max_words: int = 1000
+    # client processes: arrival i is sent by process i % procs, so that one Python event loop's lag (at tens of
+    # requests a second it reaches milliseconds) does not stand in the measured times
+    procs: int = 1
 
     def sentences(self) -> tuple[str, ...]:
         subset = tuple(s for s in SENTENCES if self.min_words <= len(s.split()) <= self.max_words)
@@ -194,8 +198,11 @@ class _State:
 
 
 class PointRun:
-    def __init__(self, cfg: PointConfig):
+    def __init__(self, cfg: PointConfig, shard: int = 0, start_wall: float | None = None):
+        """shard: with cfg.procs > 1, which arrivals this process sends (those with i % procs == shard);
+        start_wall: the point's start on the wall clock (time.time()) that every shard shares; None: now."""
         self.cfg = cfg
+        self.shard, self.start_wall = shard, start_wall
         self.records: list[dict] = []
         self.st = _State()
         self.all_measured_done = asyncio.Event()
@@ -480,9 +487,10 @@ class PointRun:
             from voicelane_client.recorder import SessionPool
 
             self.pool = SessionPool(ws_url(c.url), c.contexts_per_socket, c.api_key)
-        self.t_start = now() + 0.1
+        self.t_start = now() + (0.1 if self.start_wall is None else self.start_wall - time.time())
         monitor = asyncio.ensure_future(self._monitor())
-        scraper = asyncio.ensure_future(self._scrape_window())
+        # in a sharded point the parent process scrapes the server, once
+        scraper = asyncio.ensure_future(self._scrape_window() if c.procs <= 1 else asyncio.sleep(0))
         try:
             if c.workload == "w3":
                 await self._drive_w3(horizon, tasks)
@@ -516,6 +524,8 @@ class PointRun:
         prompts = PromptStream(c.seed, c.sentences())
         for i, off in enumerate(sched):
             text = prompts.next()
+            if i % c.procs != self.shard:
+                continue
             ph = await self.arrive(float(off))
             if ph is None:
                 break
@@ -542,6 +552,8 @@ class PointRun:
                 plan.append({"text": " ".join(sents), "prompts": [PROMPT_INDEX.get(x) for x in sents],
                              "rate": float(g.uniform(*c.tokens_per_s)), "cancel": bool(g.random() < c.barge_in),
                              "frac": float(g.random()), "pause": float(g.uniform(*c.pause_s))})
+            if u % c.procs != self.shard:
+                continue
             ph = await self.arrive(float(off))
             if ph is None:
                 break
@@ -567,6 +579,7 @@ class PointRun:
                             "p99": float(np.percentile(lags, 99)) if lags.size else math.nan,
                             "max": float(lags.max()) if lags.size else math.nan},
             "dispatch_lag_ms": {**metrics.percentiles(disp, (50, 99)), "max": max(disp) if disp else math.nan},
+            "processes": 1,  # client processes that sent the arrivals (a sharded point sets its own count)
             "sessions_opened": self.sessions_opened,
             "requests_total": len(self.records),
             "requests_by_phase": {ph: sum(1 for r in self.records if r["phase"] == ph)
@@ -592,9 +605,69 @@ class PointRun:
 
 
 async def run_point(cfg: PointConfig, frames_per_word: int = 0) -> dict:
+    if cfg.procs > 1:
+        return await _run_sharded(cfg, frames_per_word)
     run = PointRun(cfg)
     run.frames_per_word = frames_per_word
     return await run.run()
+
+
+SHARD_START_S = 3.0  # from launching the client processes to the point's start: their imports and connections
+
+
+def _run_shard(cfg: PointConfig, shard: int, start_wall: float, frames_per_word: int) -> dict:
+    """One client process's share of a point (a ProcessPoolExecutor task): its records, loop lags and sockets."""
+    run = PointRun(replace(cfg, records="all"), shard, start_wall)
+    run.frames_per_word = frames_per_word
+    run_loop(run.run())
+    return {"records": run.records, "lags": run.st.lags, "sessions_opened": run.sessions_opened, "pid": os.getpid()}
+
+
+async def _run_sharded(cfg: PointConfig, frames_per_word: int) -> dict:
+    """A point sent by cfg.procs client processes that share one schedule and one start time; this process
+    scrapes the server's /metrics around the window and merges their records into one report."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    merged = PointRun(cfg)
+    start_wall = time.time() + SHARD_START_S
+    merged.t_start = now() + SHARD_START_S
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(cfg.procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        shards = [loop.run_in_executor(pool, _run_shard, cfg, k, start_wall, frames_per_word)
+                  for k in range(cfg.procs)]
+        scraper = asyncio.ensure_future(merged._scrape_window())
+        parts = await asyncio.gather(*shards)
+        await asyncio.wait({scraper}, timeout=max(0.0, merged.window_bounds[1] - now()) + 10.0)
+        scraper.cancel()
+    for part in parts:
+        merged.records += part["records"]
+        merged.st.lags += part["lags"]
+        merged.sessions_opened += part["sessions_opened"]
+    merged.records.sort(key=lambda r: (r["scheduled_s"], str(r["id"])))
+    merged.st.peak = peak_in_flight(merged.records, cfg.warmup, cfg.warmup + cfg.window)
+    out = merged.result()
+    out["client"]["processes"] = len({part["pid"] for part in parts})
+    return out
+
+
+def peak_in_flight(records: list[dict], start_s: float, end_s: float) -> int:
+    """The most requests open at once between start_s and end_s (seconds from the point's start), from each
+    record's dispatch and end (its last byte, else its dispatch: a refused or failed request counts for an
+    instant)."""
+    events = []
+    for r in records:
+        if r.get("dispatch_s") is None:
+            continue
+        begin = r["dispatch_s"]
+        end = begin + (r.get("e2e_ms") or 0.0) / 1e3
+        if end >= start_s and begin < end_s:
+            events += [(max(begin, start_s), 1), (end, -1)]
+    peak = open_now = 0
+    for _, step in sorted(events, key=lambda e: (e[0], -e[1])):
+        open_now += step
+        peak = max(peak, open_now)
+    return peak
 
 
 async def describe_server(args, srv) -> tuple[dict, int]:
@@ -681,6 +754,8 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
                     help="stop the arrivals at the end of the window instead of until the measured requests end")
     ap.add_argument("--min-words", type=int, default=d.min_words, help="use only prompts with at least this many words")
     ap.add_argument("--max-words", type=int, default=d.max_words, help="... and at most this many")
+    ap.add_argument("--procs", type=int, default=d.procs,
+                    help="client processes sharing the arrivals (one event loop's lag stays out of the times)")
     ap.add_argument("--server-cmd", default=None,
                     help="start this server command first, wait for /ready, stop it at the end")
     ap.add_argument("--server-log", default=None, help="file for the spawned server's output")
@@ -695,7 +770,8 @@ def config_from_args(args, rps: float) -> PointConfig:
                        voice=args.voice, language=args.language, word_interval=args.word_interval,
                        contexts_per_socket=args.contexts_per_socket, turns=args.turns, barge_in=args.barge_in,
                        api_key=args.api_key, slo_ttfa_ms=args.slo_ttfa_ms, records=args.records,
-                       cooldown=args.cooldown, min_words=args.min_words, max_words=args.max_words)
+                       cooldown=args.cooldown, min_words=args.min_words, max_words=args.max_words,
+                       procs=args.procs)
 
 
 class server_context:

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The H200 report's load points, all against one server started here (docs/benchmarks/README.md says why each).
 #   bench/run_h200.sh OUT_DIR PHASE...      phases: profile engine (no server), w1 w1:RPS:WINDOW_S capacity w2 w3
-# (MODEL, SERVER_ARGS, WARMUP, WINDOW, W1_RPS and CAPACITY_ARGS, the capacity search's rates, override the
-# defaults, e.g. for a CPU smoke run with tiny-random.)
+# (MODEL, SERVER_ARGS, WARMUP, WINDOW, W1_RPS, CAPACITY_ARGS (the capacity search's rates) and CLIENT_PROCS (the
+# load generator's processes) override the defaults, e.g. for a CPU smoke run with tiny-random.)
 # On a copy of the tree whose git metadata is stale, set VOICELANE_COMMIT so the reports name the right commit.
 # capacity is resumable: keep OUT_DIR/capacity_w1.json and run the phase again until it exits 0.
 set -u
 OUT=${1:?usage: bench/run_h200.sh OUT_DIR PHASE...}; shift
 URL=http://127.0.0.1:8000
 BASE=${BASE:-docs/benchmarks/h200/baseline_official.json}
-COMMON=(--url "$URL" --warmup "${WARMUP:-15}" --window "${WINDOW:-60}" --seed 0)
+COMMON=(--url "$URL" --warmup "${WARMUP:-15}" --window "${WINDOW:-60}" --seed 0 --procs "${CLIENT_PROCS:-1}")
 mkdir -p "$OUT"
 SERVER_PID=
 start_server() {  # once, before the first phase that needs it
@@ -48,6 +48,7 @@ for phase in "$@"; do
           --state "$OUT/capacity_w1.json"; rc=$?; [ $rc -eq 0 ] || { echo "capacity: exit $rc (75 = run again)"; status=$rc; } ;;
     w1:*:*) IFS=: read -r _ rps window <<<"$phase"  # one rate, its own window (e.g. w1:10:300)
         python3 -m bench.loadgen --url "$URL" --warmup "${WARMUP:-15}" --window "$window" --seed 0 --workload w1 \
+          --procs "${CLIENT_PROCS:-1}" \
           --rps "$rps" --baseline "$BASE" --out "$OUT/w1_rps${rps}_${window}s.json" || status=1 ;;
     w2) python3 -m bench.loadgen "${COMMON[@]}" --workload w2 --rps 5 --baseline "$BASE" \
           --out "$OUT/w2_rps5.json" || status=1 ;;

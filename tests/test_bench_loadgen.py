@@ -226,6 +226,41 @@ def test_w1_http_against_a_fake_server():
     assert server["client_minus_server_ms"]["mean"] == pytest.approx(np.mean(heard) - 10.0)
 
 
+def test_w1_from_several_client_processes_is_the_same_point():
+    """--procs 3: three client processes send every third arrival of one shared schedule; the report holds every
+    arrival once, in order, each with the prompt the one-process run sends; the parent scrapes /metrics."""
+    async def go():
+        srv = await asyncio.start_server(_http_fake, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        try:
+            return await run_point(_cfg(f"http://127.0.0.1:{port}", "w1", procs=3))
+        finally:
+            srv.close()
+
+    point = asyncio.run(go())
+    _check_point(point, _measured_prompts(0, 8.0, 0.3, 1.5))
+    recs = point["requests"]
+    ids = [r["id"] for r in recs]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids) and ids[0] == 0
+    assert ids == list(range(len(ids)))  # no arrival lost or sent twice across the processes
+    prompts = __import__("bench.prompts").prompts.prompt_sequence(0, len(ids))
+    assert [r["prompt"] for r in recs] == [SENTENCES.index(t) for t in prompts]
+    assert point["summary"]["peak_in_flight"] >= 1
+    assert point["server_first_audio"]["ttfa_ms"]["count"] >= 1
+    assert point["client"]["processes"] == 3
+
+
+def test_peak_in_flight_counts_overlaps_inside_the_window():
+    from bench.loadgen import peak_in_flight
+
+    recs = [{"dispatch_s": 0.0, "e2e_ms": 3000.0}, {"dispatch_s": 1.5, "e2e_ms": 1000.0},
+            {"dispatch_s": 2.0, "e2e_ms": 100.0}, {"dispatch_s": 5.0, "e2e_ms": 1000.0},
+            {"dispatch_s": 2.05, "e2e_ms": None}, {"dispatch_s": None}]
+    assert peak_in_flight(recs, 1.0, 4.0) == 4  # at 2.05 s: the first three and the one that failed at once
+    assert peak_in_flight(recs, 3.5, 10.0) == 1
+    assert peak_in_flight(recs, 6.5, 10.0) == 0
+
+
 def test_w2_websocket_word_by_word_against_a_fake_server():
     from websockets.asyncio.server import serve
 
