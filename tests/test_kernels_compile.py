@@ -81,17 +81,12 @@ def compile_attention(dtype: str) -> None:
 def compile_linear(dtype: str) -> None:
     from engine.kernels import linear
 
-    pointers = {"part_ptr": "*fp32", "ticket_ptr": "*i32", "squares_ptr": "*fp32"}
-    # (swiglu, norm, residual, dot, split, block_m): plain, the MLP's down projection, and the folded layer's four
-    for swiglu, norm, residual, dot, split, block_m in (
-            (False, False, False, True, False, 16), (True, False, False, True, True, 64),
-            (True, False, True, False, True, 1), (False, False, False, False, False, 4),
-            (False, True, False, True, True, 16), (False, True, False, False, False, 1),
-            (False, False, True, True, False, 16)):
+    pointers = {"part_ptr": "*fp32", "ticket_ptr": "*i32"}
+    for swiglu, dot, split, block_m in ((False, True, False, 16), (True, True, True, 64), (True, False, True, 1),
+                                        (False, False, False, 4)):
         ptx = _compile(linear._skinny_kernel, dtype,
-                       {"SWIGLU": swiglu, "NORM": norm, "RESIDUAL": residual, "DOT": dot, "IEEE": dtype == "fp32",
-                        "SPLIT": split, "INTERPRET": False, "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 256,
-                        "LINE": 64}, pointers)
+                       {"SWIGLU": swiglu, "DOT": dot, "IEEE": dtype == "fp32", "SPLIT": split, "INTERPRET": False,
+                        "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 256, "LINE": 64}, pointers)
         # under PDL the weights are pulled into L2 before the wait for the kernel before
         assert "prefetch.global.L2" in ptx.split("griddepcontrol.wait")[0]
 

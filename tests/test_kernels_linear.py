@@ -49,67 +49,6 @@ def test_split_sums_are_deterministic_and_leading_dims_kept():
     torch.testing.assert_close(first, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"n{c.block_n}k{c.block_k}s{c.split_k}dot{int(c.dot)}")
-@pytest.mark.parametrize("rows,N,K", [(1, 48, 96), (3, 40, 100), (17, 64, 130)])
-@pytest.mark.parametrize("fold", ["norm", "residual", "swiglu+residual"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_folded_norm_and_residual_match_reference(config, rows, N, K, fold, dtype):
-    """The RMSNorm before a projection (q/k/v, gate/up) and the residual add after one (o, down) folded into the
-    kernel, against RMSNorm, F.linear and the add in float64: one K slice or several (each slice's sums of squares
-    reach the ticket's last program), ragged rows and columns."""
-    g = torch.Generator().manual_seed(rows * 100 + N + K)
-    swiglu = fold.startswith("swiglu")
-    x = (2 * torch.randn(rows, 2 * K if swiglu else K, generator=g) + 0.5).to(dtype)
-    w = torch.randn(N, K, generator=g).to(dtype)
-    norm = (1 + 0.3 * torch.randn(K, generator=g)).to(dtype) if fold == "norm" else None
-    residual = (4 * torch.randn(rows, N, generator=g)).to(dtype) if "residual" in fold else None
-    got = kl.skinny_linear(x, w, config, swiglu, norm, 1e-6, residual)
-    want = kl.reference(x.double(), w.double(), swiglu, None if norm is None else norm.double(), 1e-6,
-                        None if residual is None else residual.double())
-    assert got.shape == (rows, N) and got.dtype == dtype
-    err = float((got.double() - want).abs().max() / want.abs().max())
-    assert err < (1e-6 if dtype == torch.float32 else 3e-3), err
-    unnormed = kl.reference(x.double(), w.double(), swiglu)  # what a kernel that dropped the fold would give
-    assert float((unnormed - want).abs().max() / want.abs().max()) > 10 * max(err, 1e-3)
-    assert int(kl._TICKETS[("cpu", -(-N // config.block_n), None)].abs().sum()) == 0
-
-
-def test_linear_folds_into_the_kernel_up_to_its_rows_and_runs_apart_above(monkeypatch):
-    """linear() with a norm or residual takes the skinny kernel for any shape within its rows, even where the
-    table says cuBLAS (cuBLAS cannot take the fold), and above them runs the norm, F.linear and the add apart;
-    both equal the reference."""
-    monkeypatch.setenv(kl.FORCE_ENV, "cublas")
-    calls = []
-    real = kl.skinny_linear
-    monkeypatch.setattr(kl, "skinny_linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    g = torch.Generator().manual_seed(5)
-    w, norm = torch.randn(24, 40, generator=g), 1 + 0.2 * torch.randn(40, generator=g)
-    for rows in (3, 80):
-        x, residual = torch.randn(rows, 40, generator=g), torch.randn(rows, 24, generator=g)
-        got = kl.linear(x, w, norm=norm, eps=1e-6, residual=residual)
-        torch.testing.assert_close(got, kl.reference(x, w, norm=norm, eps=1e-6, residual=residual),
-                                   rtol=1e-5, atol=1e-5)
-    assert calls == [3]
-    kl.linear(torch.randn(3, 40), w)
-    assert calls == [3]  # nothing folded: the table's (forced) choice, cuBLAS
-
-
-def test_fold_switch_reads_rows_per_stack(monkeypatch):
-    monkeypatch.delenv(kl.FOLD_ENV, raising=False)
-    assert kl.fold_rows("code_predictor") == kl.fold_rows("talker") == 0
-    monkeypatch.setenv(kl.FOLD_ENV, "code_predictor:8, talker:1")
-    assert (kl.fold_rows("code_predictor"), kl.fold_rows("talker")) == (8, 1)
-    assert kl.kernels_status()["fold_norms"] == {"code_predictor": 8, "talker": 1}
-    monkeypatch.setenv(kl.FOLD_ENV, "talker:64/code_predictor:2")
-    assert (kl.fold_rows("code_predictor"), kl.fold_rows("talker")) == (2, 64)
-    monkeypatch.setenv(kl.FOLD_ENV, "off")
-    assert kl.fold_rows("code_predictor") == 0
-    for bad in ("codec:4", "talker", "talker:65", "talker:x"):
-        monkeypatch.setenv(kl.FOLD_ENV, bad)
-        with pytest.raises(ValueError, match="VOICELANE_FOLD_NORMS"):
-            kl.fold_rows("talker")
-
-
 def test_skinny_linear_refuses_bad_shapes():
     with pytest.raises(ValueError, match="columns"):
         kl.skinny_linear(torch.randn(2, 10), torch.randn(4, 12))

@@ -244,9 +244,8 @@ def test_gpu_check_script_runs_its_kernel_checks_on_the_cpu(tmp_path):
 
     assert main([str(tmp_path), "--smoke", "--no-model", "--model", "random:tiny"]) == 0
     rows = json.loads((tmp_path / "gpu_check_kernels.json").read_text())["kernels_checked"]
-    assert {r["kernel"] for r in rows} == {"add_rms_norm", "swiglu", "linear folded", "qk_norm_rope_store",
-                                           "cache_attention", "short_attention", "cp_forward"}
-    assert len([r for r in rows if r["kernel"] == "linear folded"]) == 2 * 2 * 3 * 4  # dtypes, stacks, rows, projs
+    assert {r["kernel"] for r in rows} == {"add_rms_norm", "swiglu", "qk_norm_rope_store", "cache_attention",
+                                           "short_attention", "cp_forward"}
     one_kernel = [r for r in rows if r["kernel"] == "cp_forward"]
     assert one_kernel and all(r["persistent_equals_phased"] and r["barrier_timeouts"] == 0 for r in one_kernel)
     assert all(r["ok"] and r["rel_err"] < 4e-3 for r in rows)

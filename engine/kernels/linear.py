@@ -11,14 +11,6 @@ and the ticket is reset by that program, so a CUDA graph can replay it.
 `swiglu=True` reads x as [gate | up] (width 2K) and multiplies by silu(gate) * up rounded to the activation
 dtype exactly as engine.kernels.norm.swiglu does: the MLP's down projection without its separate SwiGLU kernel.
 
-Folded norms and residual adds (VOICELANE_FOLD_NORMS, off by default; `fold_rows`): a decoder layer's two
-add + RMSNorm kernels disappear into its projections. The o and down projections add the residual to their
-output; the q/k/v and gate/up projections take the RMSNorm: x times the norm's weight goes into the product, each
-row's sum of squares is collected in the same K loop (partial sums per K slice, added by the ticket's last
-program), and 1 / rms scales the finished sum, a per-row factor of every term. The rounding differs from the
-unfused path's (x is rounded once, after the weight, where that path rounds after 1 / rms and after the weight),
-by at most bf16 rounding noise; tests/test_kernels_linear.py bounds it.
-
 Which kernel runs for a shape is decided by measurement on the GPU (engine.tools.tune_linear writes the table
 engine/kernels/linear_table.json, per GPU name, per weight shape and row bucket: the fastest kernel config and
 whether cuBLAS beat it): where cuBLAS measured faster, or for a GPU or shape the table does not hold, `linear()`
@@ -44,8 +36,8 @@ from torch import Tensor
 
 from engine.kernels.gdc import L2_LINE_BYTES, prefetch_l2, wait_inputs
 from engine.kernels.lanes import current_lane
-from engine.kernels.norm import add_rms_norm, swiglu_reference
 from engine.kernels.norm import swiglu as swiglu_kernel
+from engine.kernels.norm import swiglu_reference
 from engine.kernels.pdl import launch_options
 
 log = logging.getLogger("voicelane.kernels.linear")
@@ -54,8 +46,6 @@ MAX_ROWS = 64
 TUNED_DTYPE = torch.bfloat16
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TABLE_ENV = "VOICELANE_LINEAR_TABLE"  # another table file (the tuner's output, before it is committed)
-FOLD_ENV = "VOICELANE_FOLD_NORMS"  # off by default: see fold_rows()
-FOLD_STACKS = ("code_predictor", "talker")
 FORCE_ENV = "VOICELANE_LINEAR"  # "triton": DEFAULT_CONFIG for every shape without an entry (CPU tests); "cublas"
 TABLE_PATH = Path(__file__).with_name("linear_table.json")
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -77,11 +67,9 @@ DEFAULT_CONFIG = LinearConfig()
 
 
 @triton.jit
-def _k_block(acc, squares, x_ptr, w_ptr, norm_ptr, rm, rn, k, m_ok, n_ok, K, stride_xm, stride_wn,
-             SWIGLU: tl.constexpr, NORM: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] += x[rm, k] @ w[rn, k]^T for one block of columns k of K. With NORM, x is first
-    multiplied by the norm's weight (rounded once) and squares [BLOCK_M] collects each row's sum of squares of x:
-    the per-row 1 / rms is applied to the sum afterwards (it is a factor of every term)."""
+def _k_block(acc, x_ptr, w_ptr, rm, rn, k, m_ok, n_ok, K, stride_xm, stride_wn, SWIGLU: tl.constexpr,
+             DOT: tl.constexpr, IEEE: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += x[rm, k] @ w[rn, k]^T for one block of columns k of K."""
     k_ok = k < K
     x_mask = m_ok[:, None] & k_ok[None, :]
     x_at = x_ptr + rm[:, None] * stride_xm + k[None, :]
@@ -90,12 +78,6 @@ def _k_block(acc, squares, x_ptr, w_ptr, norm_ptr, rm, rn, k, m_ok, n_ok, K, str
         g = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(up.dtype)
         a = (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
-    elif NORM:
-        x = tl.load(x_at, mask=x_mask, other=0.0)
-        xf = x.to(tl.float32)
-        squares += tl.sum(xf * xf, axis=1)
-        nw = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        a = (xf * nw[None, :]).to(x.dtype)
     else:
         a = tl.load(x_at, mask=x_mask, other=0.0)
     w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
@@ -106,27 +88,12 @@ def _k_block(acc, squares, x_ptr, w_ptr, norm_ptr, rm, rn, k, m_ok, n_ok, K, str
             acc += tl.dot(a, tl.trans(w))
     else:
         acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    return acc, squares
+    return acc
 
 
 @triton.jit
-def _finish(acc, squares, res_ptr, rm, rn, out_mask, K, eps, stride_rm, dtype, NORM: tl.constexpr,
-            RESIDUAL: tl.constexpr):
-    """The output tile from the whole sum: scaled by each row's 1 / rms (NORM), rounded, then the residual added
-    and rounded again (RESIDUAL), as the unfused path rounds the projection before its residual add."""
-    if NORM:
-        acc = acc * tl.rsqrt(squares / K + eps)[:, None]
-    out = acc.to(dtype)
-    if RESIDUAL:
-        r = tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=out_mask, other=0.0)
-        out = (out.to(tl.float32) + r.to(tl.float32)).to(dtype)
-    return out
-
-
-@triton.jit
-def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, norm_ptr, squares_ptr, res_ptr, M, N, K, stride_xm,
-                   stride_wn, stride_ym, stride_rm, split_k, k_span, eps, SWIGLU: tl.constexpr, NORM: tl.constexpr,
-                   RESIDUAL: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_ym, split_k,
+                   k_span, SWIGLU: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
                    INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GDC: tl.constexpr, LINE: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -137,7 +104,6 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, norm_ptr, squares_
     m_ok = rm < M
     n_ok = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     k_lo = pid_k * k_span  # k_span is a multiple of BLOCK_K: the slices tile K without overlap
     k_hi = k_lo + k_span
     if GDC:  # the weights never depend on the kernel before: pull this program's slice into L2 while it runs
@@ -148,39 +114,27 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, norm_ptr, squares_
     if INTERPRET:  # triton 3.6's interpreter cannot take a device scalar as a range() bound (numpy >= 2)
         k0 = k_lo
         while k0 < k_hi:
-            acc, squares = _k_block(acc, squares, x_ptr, w_ptr, norm_ptr, rm, rn, k0 + rk, m_ok, n_ok, K, stride_xm,
-                                    stride_wn, SWIGLU, NORM, DOT, IEEE)
+            acc = _k_block(acc, x_ptr, w_ptr, rm, rn, k0 + rk, m_ok, n_ok, K, stride_xm, stride_wn, SWIGLU, DOT, IEEE)
             k0 += BLOCK_K
     else:
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            acc, squares = _k_block(acc, squares, x_ptr, w_ptr, norm_ptr, rm, rn, k0 + rk, m_ok, n_ok, K, stride_xm,
-                                    stride_wn, SWIGLU, NORM, DOT, IEEE)
+            acc = _k_block(acc, x_ptr, w_ptr, rm, rn, k0 + rk, m_ok, n_ok, K, stride_xm, stride_wn, SWIGLU, DOT, IEEE)
     out_mask = m_ok[:, None] & n_ok[None, :]
     y_at = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-    dtype = y_ptr.dtype.element_ty
     if not SPLIT:
-        tl.store(y_at, _finish(acc, squares, res_ptr, rm, rn, out_mask, K, eps, stride_rm, dtype, NORM, RESIDUAL),
-                 mask=out_mask)
+        tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
     else:
         part_at = part_ptr + rm[:, None] * N + rn[None, :]
         tl.store(part_at + pid_k * M * N, acc, mask=out_mask)
-        # each column block keeps its own copy of the rows' partial sums of squares: its ticket orders them
-        squares_at = squares_ptr + (pid_n * split_k) * BLOCK_M + rm
-        if NORM:
-            tl.store(squares_at + pid_k * BLOCK_M, squares)
         # acq_rel: this program's partials are visible before its ticket; the last one sees all of them
         ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel")
         if ticket == split_k - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            all_squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
             s = 0
             while s < split_k:  # in split order: the sum does not depend on which program finished last
                 total += tl.load(part_at + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                if NORM:
-                    all_squares += tl.load(squares_at + s * BLOCK_M, cache_modifier=".cg")
                 s += 1
-            tl.store(y_at, _finish(total, all_squares, res_ptr, rm, rn, out_mask, K, eps, stride_rm, dtype, NORM,
-                                   RESIDUAL), mask=out_mask)
+            tl.store(y_at, total.to(y_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(ticket_ptr + pid_n, 0)  # ready for the next launch (graph replays included)
 
 
@@ -201,34 +155,21 @@ def block_m(rows: int, dot: bool) -> int:
     return max(16, triton.next_power_of_2(rows)) if dot else triton.next_power_of_2(rows)
 
 
-def skinny_linear(x: Tensor, weight: Tensor, config: LinearConfig = DEFAULT_CONFIG, swiglu: bool = False,
-                  norm: Tensor | None = None, eps: float = 0.0, residual: Tensor | None = None) -> Tensor:
+def skinny_linear(x: Tensor, weight: Tensor, config: LinearConfig = DEFAULT_CONFIG, swiglu: bool = False) -> Tensor:
     """x [..., K] (or [..., 2K] = [gate | up] with swiglu) with at most 64 rows in all; weight [N, K] with
-    contiguous rows -> [..., N] in x's dtype.
-
-    norm [K] (not with swiglu): x goes through RMSNorm with this weight (and eps) first, folded into the kernel;
-    residual [..., N]: added to the projection (rounded first), as the decoder layer's residual add."""
+    contiguous rows -> [..., N] in x's dtype."""
     N, K = weight.shape
     width = 2 * K if swiglu else K
     if x.shape[-1] != width:
         raise ValueError(f"skinny_linear: x has {x.shape[-1]} columns, the weight [{N}, {K}] needs {width}")
     if weight.stride(1) != 1 or weight.dtype != x.dtype:
         raise ValueError(f"skinny_linear: weight must be {x.dtype} with contiguous rows")
-    if norm is not None and (swiglu or norm.shape != (K,) or norm.dtype != x.dtype):
-        raise ValueError(f"skinny_linear: a norm weight must be [{K}] {x.dtype}, and not with swiglu")
     x2 = x.reshape(-1, width)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"skinny_linear: {M} rows, at most {MAX_ROWS}")
-    r2 = None
-    if residual is not None:
-        if residual.shape != (*x.shape[:-1], N) or residual.dtype != x.dtype:
-            raise ValueError(f"skinny_linear: the residual must be {(*x.shape[:-1], N)} {x.dtype}")
-        r2 = residual.reshape(M, N)
-        if r2.stride(1) != 1:
-            r2 = r2.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*x.shape[:-1], N)
@@ -236,31 +177,20 @@ def skinny_linear(x: Tensor, weight: Tensor, config: LinearConfig = DEFAULT_CONF
     splits = max(1, min(config.split_k, triton.cdiv(K, config.block_k)))
     k_span = triton.cdiv(triton.cdiv(K, splits), config.block_k) * config.block_k
     splits = triton.cdiv(K, k_span)
-    rows = block_m(M, config.dot)
     part = torch.empty(splits if splits > 1 else 0, M, N, dtype=torch.float32, device=x.device)
-    squares = torch.empty(blocks * splits * rows if norm is not None and splits > 1 else 0, dtype=torch.float32,
-                          device=x.device)
     tickets = _tickets(x.device, blocks)  # read only with splits > 1
     _skinny_kernel[(blocks, splits)](
-        x2, weight, y, part, tickets, norm if norm is not None else weight, squares, r2 if r2 is not None else y,
-        M, N, K, x2.stride(0), weight.stride(0), y.stride(0), r2.stride(0) if r2 is not None else 0, splits, k_span,
-        float(eps), SWIGLU=swiglu, NORM=norm is not None, RESIDUAL=residual is not None, DOT=config.dot,
-        IEEE=x.dtype == torch.float32, SPLIT=splits > 1, INTERPRET=_INTERPRET, BLOCK_M=rows,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        x2, weight, y, part, tickets, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), splits, k_span,
+        SWIGLU=swiglu, DOT=config.dot, IEEE=x.dtype == torch.float32, SPLIT=splits > 1,
+        INTERPRET=_INTERPRET, BLOCK_M=block_m(M, config.dot), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         LINE=min(config.block_k, L2_LINE_BYTES // weight.element_size()), num_warps=config.num_warps,
         num_stages=config.num_stages, **launch_options(x.device))
     return y.view(*x.shape[:-1], N)
 
 
-def reference(x: Tensor, weight: Tensor, swiglu: bool = False, norm: Tensor | None = None, eps: float = 0.0,
-              residual: Tensor | None = None) -> Tensor:
-    """What the PyTorch path computes: SwiGLU or RMSNorm (when asked), F.linear, then the residual add."""
-    if swiglu:
-        x = swiglu_reference(x)
-    elif norm is not None:
-        x = norm * F.rms_norm(x, (x.shape[-1],), eps=eps)
-    y = F.linear(x, weight)
-    return y if residual is None else y + residual
+def reference(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
+    """What the PyTorch path computes: SwiGLU (when asked), then F.linear."""
+    return F.linear(swiglu_reference(x) if swiglu else x, weight)
 
 
 # --- the tuned table: which kernel each (GPU, weight shape, row bucket) runs --------------------------------------
@@ -307,64 +237,35 @@ def entry_key(N: int, K: int, swiglu: bool, rows: int) -> str:
 
 
 def choose(device: torch.device, N: int, K: int, rows: int, swiglu: bool,
-           dtype: torch.dtype = torch.bfloat16, folded: bool = False) -> LinearConfig | None:
+           dtype: torch.dtype = torch.bfloat16) -> LinearConfig | None:
     """The kernel config for this launch, or None for cuBLAS. The table is measured in bfloat16 (the serving
-    dtype); other dtypes take cuBLAS unless forced. folded (a norm or residual add folded in, which cuBLAS cannot
-    take): the kernel wherever it can run, in its tuned config."""
+    dtype); other dtypes take cuBLAS unless forced."""
     force = os.environ.get(FORCE_ENV, "").strip().lower()
-    if rows > MAX_ROWS or (force == "cublas" and not folded):
+    if rows > MAX_ROWS or force == "cublas":
         return None
     per_gpu = table().get(_device_name(device), {}) if dtype == TUNED_DTYPE else {}
     entry = per_gpu.get(entry_key(N, K, swiglu, rows))
-    if force == "triton" or folded:
+    if force == "triton":
         return LinearConfig(**entry["skinny"]) if entry and entry["skinny"] else DEFAULT_CONFIG
     return LinearConfig(**entry["skinny"]) if entry and entry["use"] == "skinny" else None
 
 
-def linear(x: Tensor, weight: Tensor, swiglu: bool = False, norm: Tensor | None = None, eps: float = 0.0,
-           residual: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
     """The model's linear layer on the Triton path: x [..., K] (or [..., 2K] with swiglu) @ weight [N, K]^T,
-    by the tuned skinny kernel or by cuBLAS (engine.kernels.norm.swiglu first, for swiglu). norm and residual
-    (see skinny_linear) are folded into the kernel; above its rows they run as kernels of their own."""
+    by the tuned skinny kernel or by cuBLAS (engine.kernels.norm.swiglu first, for swiglu)."""
     N, K = weight.shape
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    config = choose(x.device, N, K, rows, swiglu, x.dtype, folded=norm is not None or residual is not None)
+    config = choose(x.device, N, K, rows, swiglu, x.dtype)
     if config is not None:
-        return skinny_linear(x, weight, config, swiglu, norm, eps, residual)
-    if norm is not None:
-        x = add_rms_norm(x, None, norm, eps)[1]
-    y = F.linear(swiglu_kernel(x) if swiglu else x, weight)
-    return y if residual is None else y + residual
-
-
-def fold_rows(stack: str) -> int:
-    """Up to how many rows (batch x positions) `stack` ("code_predictor" or "talker") folds its RMSNorms and
-    residual adds into its projections (FOLD_ENV, e.g. "code_predictor:8,talker:1" or with "/"; 0: it does
-    not)."""
-    return _fold_table(os.environ.get(FOLD_ENV, "")).get(stack, 0)
-
-
-def _fold_table(value: str) -> dict[str, int]:
-    value = value.strip().lower()
-    if value in ("", "off"):
-        return {}
-    out = {}
-    for item in value.replace("/", ",").split(","):  # "/" too: gpu_round.sh's VARIANTS split on ","
-        name, _, rows = item.strip().partition(":")
-        if name not in FOLD_STACKS or not rows.isdigit() or int(rows) > MAX_ROWS:
-            raise ValueError(f"{FOLD_ENV}={value!r}: give stack:rows items, stack one of {', '.join(FOLD_STACKS)}, "
-                             f"rows at most {MAX_ROWS} (or off)")
-        out[name] = int(rows)
-    return out
+        return skinny_linear(x, weight, config, swiglu)
+    return F.linear(swiglu_kernel(x) if swiglu else x, weight)
 
 
 def kernels_status() -> dict:
     """For readiness: the GPUs the table was tuned on, and how many shapes take the Triton kernel on each."""
     return {"skinny_linear_tuned_for": {gpu: sum(v["use"] == "skinny" for v in entries.values())
                                         for gpu, entries in table().items()},
-            "skinny_linear_force": os.environ.get(FORCE_ENV) or None,
-            # rows up to which each stack folds its norms and residual adds into the kernel (FOLD_ENV)
-            "fold_norms": {stack: fold_rows(stack) for stack in FOLD_STACKS}, "fold_norms_switch": FOLD_ENV}
+            "skinny_linear_force": os.environ.get(FORCE_ENV) or None}
 
 
 def config_dict(config: LinearConfig | None) -> dict | None:

@@ -28,8 +28,6 @@ log = logging.getLogger("voicelane.code_predictor")
 
 
 class CodePredictorStack(DecoderStack):
-    fold_name = "code_predictor"
-
     def __init__(self, talker: TalkerConfig):
         super().__init__(talker.code_predictor)
         groups = talker.num_code_groups - 1

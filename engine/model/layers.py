@@ -69,23 +69,18 @@ def signed_sin(sin: Tensor) -> Tensor:
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def dense(x: Tensor, weight: Tensor, swiglu: bool = False, norm: Tensor | None = None, eps: float = 0.0,
-          residual: Tensor | None = None) -> Tensor:
-    """x [..., in] @ weight [out, in]^T (x = [gate | up] of width 2 * in with swiglu: silu(gate) * up first;
-    with norm [in]: RMSNorm of x with that weight first), plus residual [..., out] when given.
+def dense(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
+    """x [..., in] @ weight [out, in]^T (x = [gate | up] of width 2 * in with swiglu: silu(gate) * up first).
     The Triton path runs engine.kernels.linear, which picks the measured-faster of its skinny decode kernel and
-    cuBLAS per shape (and folds a norm or residual into the kernel); the PyTorch path runs F.linear."""
+    cuBLAS per shape; the PyTorch path runs F.linear."""
     if kernels.use_triton(x.device):
         from engine.kernels.linear import linear
 
-        return linear(x, weight, swiglu, norm, eps, residual)
+        return linear(x, weight, swiglu)
     if swiglu:
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up
-    elif norm is not None:
-        x = norm * F.rms_norm(x, (x.shape[-1],), eps=eps)
-    y = F.linear(x, weight)
-    return y if residual is None else y + residual
+    return F.linear(x, weight)
 
 
 class FusedRows:
@@ -129,14 +124,13 @@ class FusedRows:
             self._fuse()
         return self.weight
 
-    def project(self, x: Tensor, norm: Tensor | None = None, eps: float = 0.0) -> Tensor:
-        """x [..., in] -> [..., sum of out_features]: every Linear's output side by side, from one GEMM (of
-        RMSNorm(x) with weight `norm`, when given)."""
-        return dense(x, self.current(), norm=norm, eps=eps)
+    def project(self, x: Tensor) -> Tensor:
+        """x [..., in] -> [..., sum of out_features]: every Linear's output side by side, from one GEMM."""
+        return dense(x, self.current())
 
-    def __call__(self, x: Tensor, norm: Tensor | None = None, eps: float = 0.0) -> tuple[Tensor, ...]:
+    def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
         """x [..., in] -> one output per Linear, views of the single GEMM's result."""
-        return self.project(x, norm, eps).split(self.sizes, dim=-1)
+        return self.project(x).split(self.sizes, dim=-1)
 
 
 def fused_or_separate(fused: FusedRows | None, linears: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, ...]:
@@ -219,7 +213,15 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.project(x)
         if kernels.use_triton(x.device):
-            return dense(self._attend_fused(q, k, v, batch, k_cache, v_cache), self.o_proj.weight)
+            from engine.kernels import attention as fused
+
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, batch.cos, batch.sin_signed)
+            if fused.short_attention_fits(k_cache, T, self.num_heads, batch.valid_len):  # the Code Predictor's
+                out = fused.short_attention(q, k, v, *norms, k_cache, v_cache, batch.slots, batch.positions)
+            else:
+                q = fused.qk_norm_rope_store(q, k, v, *norms, k_cache, v_cache, batch.slots, batch.positions)
+                out = fused.cache_attention(q, k_cache, v_cache, batch.slots, batch.positions, batch.valid_len)
+            return dense(out.view(B, T, -1), self.o_proj.weight)  # [B, T, H, D] -> [B, T, H * D]
         q = self.q_norm(q.view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -233,30 +235,6 @@ class Attention(nn.Module):
         values = v_cache[batch.slots, :, :S]
         out = attention(q, keys, values, batch.blocked)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-
-
-    def forward_folded(self, residual: Tensor, batch: AttentionBatch, k_cache: Tensor, v_cache: Tensor,
-                       norm: Tensor, eps: float) -> Tensor:
-        """The Triton path's layer half with its RMSNorm (weight `norm`) folded into q/k/v and the residual add
-        into o: residual [B, T, hidden] -> residual + attention(RMSNorm(residual)). Needs prepare_inference()."""
-        q, k, v = self.qkv(residual, norm, eps)
-        out = self._attend_fused(q, k, v, batch, k_cache, v_cache)
-        return dense(out, self.o_proj.weight, residual=residual)
-
-    def _attend_fused(self, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch, k_cache: Tensor,
-                      v_cache: Tensor) -> Tensor:
-        """The Triton kernels from q, k, v [B, T, heads * D] to the attention output [B, T, H * D]: q/k-norm,
-        RoPE and the cache write, then attention read in place from the cache."""
-        from engine.kernels import attention as fused
-
-        B, T, _ = q.shape
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, batch.cos, batch.sin_signed)
-        if fused.short_attention_fits(k_cache, T, self.num_heads, batch.valid_len):  # the Code Predictor's
-            out = fused.short_attention(q, k, v, *norms, k_cache, v_cache, batch.slots, batch.positions)
-        else:
-            q = fused.qk_norm_rope_store(q, k, v, *norms, k_cache, v_cache, batch.slots, batch.positions)
-            out = fused.cache_attention(q, k_cache, v_cache, batch.slots, batch.positions, batch.valid_len)
-        return out.view(B, T, -1)  # [B, T, H, D] -> [B, T, H * D]
 
 
 class MLP(nn.Module):
@@ -277,12 +255,6 @@ class MLP(nn.Module):
         gate, up = fused_or_separate(self.gate_up, (self.gate_proj, self.up_proj), x)
         return self.down_proj(F.silu(gate) * up)
 
-    def forward_folded(self, residual: Tensor, norm: Tensor, eps: float) -> Tensor:
-        """The Triton path's layer half with its RMSNorm folded into gate/up and the residual add into down:
-        residual -> residual + mlp(RMSNorm(residual)). Needs prepare_inference()."""
-        return dense(self.gate_up.project(residual, norm, eps), self.down_proj.weight, swiglu=True,
-                     residual=residual)
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderStackConfig):
@@ -300,9 +272,6 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """Layers plus the final norm. Subclasses add their embeddings under the checkpoint's names."""
 
-    # Its name in engine.kernels.linear.fold_rows (a subclass's), or None: it never folds its norms.
-    fold_name: str | None = None
-
     def __init__(self, cfg: DecoderStackConfig):
         super().__init__()
         self.cfg = cfg
@@ -312,8 +281,6 @@ class DecoderStack(nn.Module):
     def run(self, x: Tensor, batch: AttentionBatch, cache: KVCache) -> Tensor:
         """x [B, T, hidden] -> final-norm hidden states [B, T, hidden]."""
         if kernels.use_triton(x.device):
-            if self._folds(x):
-                return self._run_folded(x, batch, cache)
             return self._run_fused_norms(x, batch, cache)
         for i, layer in enumerate(self.layers):
             x = layer(x, batch, cache.k[i], cache.v[i])
@@ -332,23 +299,3 @@ class DecoderStack(nn.Module):
             after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             residual, h = add_rms_norm(layer.mlp(h), residual, after.weight, eps)
         return h
-
-    def _folds(self, x: Tensor) -> bool:
-        """Whether this forward folds its norms and residual adds into the projections: the stack's rows
-        (batch x positions) are within engine.kernels.linear.fold_rows for its name, and its weights are fused."""
-        from engine.kernels.linear import fold_rows
-
-        rows = x.numel() // x.shape[-1]
-        return (self.fold_name is not None and rows <= fold_rows(self.fold_name)
-                and all(layer.self_attn.qkv is not None and layer.mlp.gate_up is not None for layer in self.layers))
-
-    def _run_folded(self, x: Tensor, batch: AttentionBatch, cache: KVCache) -> Tensor:
-        """run() with two kernels a layer fewer: each RMSNorm inside the projection after it, each residual add
-        inside the projection before it; the final norm alone."""
-        from engine.kernels.norm import add_rms_norm
-
-        eps = self.norm.eps
-        for i, layer in enumerate(self.layers):
-            x = layer.self_attn.forward_folded(x, batch, cache.k[i], cache.v[i], layer.input_layernorm.weight, eps)
-            x = layer.mlp.forward_folded(x, layer.post_attention_layernorm.weight, eps)
-        return add_rms_norm(x, None, self.norm.weight, eps)[1]

@@ -17,8 +17,6 @@ from engine.model.layers import AttentionBatch, DecoderStack, FusedRows, KVCache
 
 
 class TalkerStack(DecoderStack):
-    fold_name = "talker"
-
     def __init__(self, cfg: TalkerConfig):
         super().__init__(cfg.stack)
         self.codec_embedding = nn.Embedding(cfg.stack.vocab_size, cfg.stack.hidden_size)

@@ -121,10 +121,6 @@ def kernel_checks(config, sizes: Sizes, time_it: bool) -> list[dict]:
             gu = _rand(rows, 2 * inter, dtype=dtype, scale=3)
             checks.case("swiglu", f"{rows}x{inter}", dtype, norm.swiglu, norm.swiglu_reference, lambda gu=gu: [gu])
 
-        for geo_name, geo in (("talker", TALKER), ("code_predictor", CODE_PREDICTOR)):
-            for rows in (1, 8, big):
-                fold_cases(checks, geo_name, geo, rows, dtype)
-
         def layer(B, T, geo, L, S, start, dtype=dtype):
             """Arguments of qk_norm_rope_store for B rows of T new tokens each, starting at column start[b]."""
             H, Hkv, D = geo["H"], geo["Hkv"], geo["D"]
@@ -217,22 +213,6 @@ def kernel_checks(config, sizes: Sizes, time_it: bool) -> list[dict]:
             attention_case("code predictor last", B, 1, CODE_PREDICTOR, cp_len,
                            torch.full((B, 1), cp_len - 1, dtype=torch.int64, device=DEVICE))
     return checks.rows
-
-
-def fold_cases(checks: KernelChecks, name: str, geo: dict, rows: int, dtype) -> None:
-    """A decoder layer's four projections with their norm or residual add folded in (VOICELANE_FOLD_NORMS):
-    q/k/v and gate/up after RMSNorm, o and down (SwiGLU) before the residual add."""
-    from engine.kernels import linear as kl
-
-    hidden, inter, heads = geo["hidden"], geo["inter"], (geo["H"] + 2 * geo["Hkv"]) * geo["D"]
-    cases = (("qkv", heads, hidden, False, True, False), ("o", hidden, geo["H"] * geo["D"], False, False, True),
-             ("gate_up", 2 * inter, hidden, False, True, False), ("down", hidden, inter, True, False, True))
-    for proj, N, K, swiglu, norm, residual in cases:
-        args = [_rand(rows, 2 * K if swiglu else K, dtype=dtype, scale=2), _rand(N, K, dtype=dtype, scale=K**-0.5),
-                swiglu, (1 + 0.3 * torch.randn(K, device=DEVICE)).to(dtype) if norm else None, 1e-6,
-                _rand(rows, N, dtype=dtype) if residual else None]
-        checks.case("linear folded", f"{name} {proj} {rows}x{N}x{K}", dtype, kl.linear, kl.reference,
-                    lambda args=args: list(args))
 
 
 # ---------------------------------------------------------------------------------------------- whole model
