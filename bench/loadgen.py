@@ -71,6 +71,8 @@ class PointConfig:
     cooldown: bool = True  # keep the load on after the window until the measured requests have ended
     min_words: int = 0  # use only the prompts of min_words..max_words words (default: all of them)
     max_words: int = 1000
+    # W1's HTTP client: "lean" (bench/http1.py, the clock next to the socket) or "httpx" (before 2026-12-04)
+    http_client: str = "lean"
     # client processes: arrival i is sent by process i % procs, so that one Python event loop's lag (at tens of
     # requests a second it reaches milliseconds) does not stand in the measured times
     procs: int = 1
@@ -135,7 +137,12 @@ def ws_url(base: str) -> str:
 
 
 
-def new_http_client(request_timeout: float):
+def new_http_client(request_timeout: float, kind: str = "httpx", url: str = ""):
+    """W1's HTTP client: "lean" (bench/http1.py: the clock next to the socket) or "httpx"."""
+    if kind == "lean":
+        from bench.http1 import Http1Pool
+
+        return Http1Pool(url)
     import httpx
 
     return httpx.AsyncClient(timeout=httpx.Timeout(connect=10.0, read=request_timeout, write=10.0, pool=None),
@@ -147,10 +154,14 @@ async def http_speech(client, c: PointConfig, text: str, rec: dict) -> float:
     """One W1 request: POST /v1/audio/speech (stream, raw PCM); fills rec with the metrics; returns dispatch time.
 
     Dispatch is taken just before the request is handed to the client (headers and body leave together)."""
-    import httpx
-
     body = {"model": c.model, "input": text, "voice": c.voice, "language": c.language,
             "response_format": "pcm", "stream": True}
+    from bench.http1 import Http1Pool
+
+    if isinstance(client, Http1Pool):
+        return await _lean_speech(client, c, body, rec)
+    import httpx
+
     headers = {"Authorization": f"Bearer {c.api_key}"} if c.api_key else None
     req = client.build_request("POST", c.url.rstrip("/") + "/v1/audio/speech", json=body, headers=headers)
     chunks, pcm = [], bytearray()
@@ -160,9 +171,7 @@ async def http_speech(client, c: PointConfig, text: str, rec: dict) -> float:
         try:
             rec["http_status"] = resp.status_code
             if resp.status_code != 200:
-                detail = (await resp.aread())[:300].decode("utf-8", "replace")
-                rec["status"] = "refused" if resp.status_code in (429, 503) else "error"
-                rec["error"] = f"HTTP {resp.status_code}: {detail}"
+                _http_failure(rec, resp.status_code, await resp.aread())
                 return t_d
             async for chunk in resp.aiter_raw():
                 if chunk:
@@ -176,6 +185,16 @@ async def http_speech(client, c: PointConfig, text: str, rec: dict) -> float:
     except httpx.HTTPError as e:
         rec["status"], rec["error"] = "error", repr(e)
         return t_d
+    _speech_result(rec, t_d, chunks, pcm)
+    return t_d
+
+
+def _http_failure(rec: dict, status: int, body: bytes) -> None:
+    rec["status"] = "refused" if status in (429, 503) else "error"
+    rec["error"] = f"HTTP {status}: {body[:300].decode('utf-8', 'replace')}"
+
+
+def _speech_result(rec: dict, t_d: float, chunks: list[tuple[float, int]], pcm: bytearray) -> None:
     last = chunks[-1][0] if chunks else None
     rec.update(metrics.request_metrics(t_d, metrics.packets_from_byte_chunks(chunks),
                                        metrics.pcm16_from_bytes(bytes(pcm)), last_byte=last))
@@ -185,6 +204,42 @@ async def http_speech(client, c: PointConfig, text: str, rec: dict) -> float:
         rec["status"], rec["error"] = "error", "empty body"
     else:
         rec["status"] = "ok"
+
+
+async def _lean_speech(pool, c: PointConfig, body: dict, rec: dict) -> float:
+    """http_speech over bench/http1.py: the connection is taken from the pool (or opened) before dispatch."""
+    import json
+
+    from bench.http1 import Http1Error
+
+    payload = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if c.api_key:
+        headers["Authorization"] = f"Bearer {c.api_key}"
+    head = pool.request_head("POST", "/v1/audio/speech", headers, payload)
+    chunks, pcm = [], bytearray()
+    try:
+        conn = await pool.acquire()
+    except OSError as e:
+        rec["status"], rec["error"] = "error", repr(e)
+        return now()
+    t_d = now()
+    try:
+        conn.send(head, payload)
+        resp = await conn.response_head()
+        rec["http_status"] = resp.status
+        if resp.status != 200:
+            _http_failure(rec, resp.status, await resp.read())
+            return t_d
+        async for piece in resp.pieces():
+            chunks.append((now(), len(piece)))
+            pcm += piece
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, Http1Error, ValueError) as e:
+        rec["status"], rec["error"] = "error", repr(e)
+        return t_d
+    finally:
+        pool.release(conn)  # kept only after a whole response; a failure or a cancel closes it
+    _speech_result(rec, t_d, chunks, pcm)
     return t_d
 
 
@@ -482,7 +537,7 @@ class PointRun:
         horizon = c.warmup + c.window + c.drain_timeout
         tasks: set[asyncio.Task] = set()
         if c.workload == "w1":
-            self.http = new_http_client(c.request_timeout)
+            self.http = new_http_client(c.request_timeout, c.http_client, c.url)
         elif c.workload == "w2":
             from voicelane_client.recorder import SessionPool
 
@@ -754,6 +809,8 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
                     help="stop the arrivals at the end of the window instead of until the measured requests end")
     ap.add_argument("--min-words", type=int, default=d.min_words, help="use only prompts with at least this many words")
     ap.add_argument("--max-words", type=int, default=d.max_words, help="... and at most this many")
+    ap.add_argument("--http-client", choices=("lean", "httpx"), default=d.http_client,
+                    help="W1's HTTP client (bench/http1.py says why lean is the default)")
     ap.add_argument("--procs", type=int, default=d.procs,
                     help="client processes sharing the arrivals (one event loop's lag stays out of the times)")
     ap.add_argument("--server-cmd", default=None,
@@ -771,7 +828,7 @@ def config_from_args(args, rps: float) -> PointConfig:
                        contexts_per_socket=args.contexts_per_socket, turns=args.turns, barge_in=args.barge_in,
                        api_key=args.api_key, slo_ttfa_ms=args.slo_ttfa_ms, records=args.records,
                        cooldown=args.cooldown, min_words=args.min_words, max_words=args.max_words,
-                       procs=args.procs)
+                       procs=args.procs, http_client=args.http_client)
 
 
 class server_context:

@@ -201,12 +201,13 @@ def _measured_prompts(seed: int, rps: float, warmup: float, window: float) -> in
     return int(np.sum((t >= warmup) & (t < warmup + window)))
 
 
-def test_w1_http_against_a_fake_server():
+@pytest.mark.parametrize("client", ["lean", "httpx"])
+def test_w1_http_against_a_fake_server(client):
     async def go():
         srv = await asyncio.start_server(_http_fake, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
         try:
-            return await run_point(_cfg(f"http://127.0.0.1:{port}", "w1"))
+            return await run_point(_cfg(f"http://127.0.0.1:{port}", "w1", http_client=client))
         finally:
             srv.close()
 
