@@ -192,6 +192,11 @@ class Engine:
         loop = asyncio.get_running_loop()
         return self.admit(spec, lambda cid: EngineContext(self, cid, spec, loop))
 
+    def open_context_pipelined(self, spec: ContextSpec) -> EngineContext:
+        """open_context for a caller that can take a refusal as the context's first event (engine/remote.py); in
+        this process admission is a direct call, so it is open_context: a refusal raises."""
+        return self.open_context(spec)
+
     def admit(self, spec: ContextSpec, make: Callable[[int], EngineContext]) -> EngineContext:
         """Validate `spec` and admit it (InvalidRequest, Overloaded); `make(cid)` builds the context's handle,
         registered before any of its events can exist."""

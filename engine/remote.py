@@ -14,14 +14,19 @@ the engine process to get that process's GIL. A pipe, not a shared-memory ring: 
 streams at 12.5 frames a second are about 12 MB/s, which one pickle and one write per delivery move at a small share
 of a core; the pipe also orders audio with the other events and tells each side when the other has gone.
 
-Segment numbers come back without a round trip (EngineContext numbers them as the scheduler does); only admission,
-which has to answer yes or no, and the introspection calls wait for a reply. If the engine process dies, every open
-context ends with an `internal` error and `running()` turns False (/health answers 503).
+Segment numbers come back without a round trip (EngineContext numbers them as the scheduler does), and so do
+context ids: the server names each context with a ticket of its own, which the engine process maps to its engine
+context id. Admission is a call (`open_context`: the answer is yes or a typed error) or, for a caller that can take
+a refusal as the context's first event, one way (`open_context_pipelined`: the open, the text and the close leave
+together and a refusal comes back as ContextDone("refused"); the HTTP door, whose status waits for the first audio
+anyway). The introspection calls wait for a reply. If the engine process dies, every open context ends with an
+`internal` error and `running()` turns False (/health answers 503).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import os
@@ -138,7 +143,8 @@ class RemoteEngine:
         self.info, self.sampling_defaults, self.config = hello.info, hello.sampling_defaults, hello.config
         self.tokenizer_dir = hello.tokenizer_dir
         self.warmed_up = hello.readiness.warmed_up
-        self.contexts: dict[int, EngineContext] = {}
+        self.contexts: dict[int, EngineContext] = {}  # by ticket
+        self._tickets = itertools.count(1)
         self._commands, self._events, self._replies = commands, events, replies
         self._call_lock = threading.Lock()  # one call in flight: replies come back in order
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -211,11 +217,28 @@ class RemoteEngine:
 
     # ------------------------------------------------------------------ contexts
     def open_context(self, spec: ContextSpec) -> EngineContext:
+        """Admission as a call: the context, or the engine's typed error (Overloaded, InvalidRequest)."""
         loop = asyncio.get_running_loop()
         self.attach(loop)
-        cid = self._call("open_context", spec)
-        ctx = EngineContext(self, cid, spec, loop)
-        self.contexts[cid] = ctx  # before the loop reads the pipe again: no event of it can come earlier
+        ticket = next(self._tickets)
+        self._call("open_context", ticket, spec)
+        return self._register(ticket, spec, loop)
+
+    def open_context_pipelined(self, spec: ContextSpec) -> EngineContext:
+        """Admission one way: the context at once; a refusal is its first and last event, ContextDone("refused")
+        with the error's code, message and field. What is sent to it meanwhile is dropped there."""
+        if self._lost is not None:
+            raise EngineProcessError(f"the engine has stopped ({self._lost}); restart the server")
+        loop = asyncio.get_running_loop()
+        self.attach(loop)
+        ticket = next(self._tickets)
+        ctx = self._register(ticket, spec, loop)
+        self._send(("open", ticket, spec))
+        return ctx
+
+    def _register(self, ticket: int, spec: ContextSpec, loop: asyncio.AbstractEventLoop) -> EngineContext:
+        ctx = EngineContext(self, ticket, spec, loop)
+        self.contexts[ticket] = ctx  # on the loop that reads the events: none of it can be routed earlier
         return ctx
 
     def submit(self, op: str, cid: int, *args) -> None:
@@ -356,6 +379,10 @@ class _EngineServer:
     def __init__(self, engine: Engine, commands: Connection, events: Connection, replies: Connection):
         self.engine, self.commands, self.events, self.replies = engine, commands, events, replies
         self._send_lock = threading.Lock()  # the engine thread and the command thread both deliver
+        # the server's tickets and the engine's context ids, while a context is open (set before any of its events
+        # can exist, dropped with its ContextDone)
+        self._cid_of: dict[int, int] = {}
+        self._ticket_of: dict[int, int] = {}
         engine.hand_over = self._send_events
         on_crash = engine.core.on_crash
 
@@ -366,7 +393,35 @@ class _EngineServer:
         engine.core.on_crash = crashed
 
     def _send_events(self, routed: list[tuple[EngineContext, list[EngineEvent]]], handed: float) -> None:
-        self._send(("events", handed, [(ctx.cid, batch) for ctx, batch in routed]))
+        batches = []
+        for ctx, batch in routed:
+            ticket = self._ticket_of.get(ctx.cid)
+            if ticket is None:
+                continue
+            if isinstance(batch[-1], ContextDone):
+                self._ticket_of.pop(ctx.cid, None)
+                self._cid_of.pop(ticket, None)
+            batches.append((ticket, batch))
+        if batches:
+            self._send(("events", handed, batches))
+
+    def _admit(self, ticket: int, spec: ContextSpec) -> EngineContext:
+        engine = self.engine
+
+        def make(cid: int) -> EngineContext:
+            self._cid_of[ticket], self._ticket_of[cid] = cid, ticket
+            return EngineContext(engine, cid, spec, None)
+
+        return engine.admit(spec, make)
+
+    def _open(self, ticket: int, spec: ContextSpec) -> None:
+        """A one-way open: admitted, or refused with the error as the context's only event."""
+        try:
+            self._admit(ticket, spec)
+        except Exception as exc:  # noqa: BLE001 - typed for the server, as a call's error is
+            _, code, message, param = _error_reply(exc)
+            refused = ContextDone("refused", 0, code, message, error_param=param)
+            self._send(("events", time.monotonic(), [(ticket, [refused])]))
 
     def _send(self, message: tuple) -> None:
         frame = _frame(message)
@@ -394,9 +449,15 @@ class _EngineServer:
                 break
             try:
                 if kind == "op":
-                    engine.submit(message[1], message[2], *message[3])
+                    cid = self._cid_of.get(message[2])
+                    if cid is not None:  # else refused, or already ended: nothing to do
+                        engine.submit(message[1], cid, *message[3])
+                elif kind == "open":
+                    self._open(message[1], message[2])
                 elif kind == "fault":
-                    engine.inject_fault(*message[1:])
+                    cid = self._cid_of.get(message[1])
+                    if cid is not None:
+                        engine.inject_fault(cid, *message[2:])
                 elif kind == "call":
                     self.replies.send(self._answer(message[1], message[2]))
             except Exception:  # noqa: BLE001 - one bad command never stops the others
@@ -407,8 +468,7 @@ class _EngineServer:
         engine = self.engine
         try:
             if name == "open_context":
-                spec = args[0]
-                return True, engine.admit(spec, lambda cid: EngineContext(engine, cid, spec, None)).cid
+                return True, self._admit(*args).cid
             if name == "readiness":
                 return True, engine.readiness()
             if name == "stats":

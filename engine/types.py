@@ -149,11 +149,14 @@ class SegmentDone:
 class ContextDone:
     """The context's last event: nothing follows it."""
 
-    reason: str  # "completed", "max_frames", "cancelled", "error"
+    reason: str  # "completed", "max_frames", "cancelled", "error", "refused" (admission, when it was not a call)
     audio_samples: int  # context timeline length: every sample emitted, all segments
-    error_code: str | None = None  # with reason "error": the protocol code (synthesis_failed, internal)
+    # with reason "error": the protocol code (synthesis_failed, internal); "refused": overloaded or the invalid
+    # field's code (error_param names the field)
+    error_code: str | None = None
     error_message: str | None = None
     cid: int = 0  # engine context id
+    error_param: str | None = None
 
 
 EngineEvent = AudioChunk | SegmentDone | ContextDone

@@ -29,5 +29,7 @@ class FakeEngine:
     def open_context(self, spec):
         raise AssertionError("this test's requests must be answered before the engine")
 
+    open_context_pipelined = open_context
+
     def stop(self) -> None:
         pass

@@ -112,6 +112,54 @@ def test_typed_errors_cross_the_process_boundary(remote, tiny_checkpoint):
         one_slot.stop()
 
 
+async def within(ctx: EngineContext, seconds: float = 120.0) -> list:
+    """Every event of a context, or a failure (not a hung test) if its end does not come."""
+    async def collect():
+        return [ev async for ev in ctx.events()]
+
+    return await asyncio.wait_for(collect(), seconds)
+
+
+def test_a_pipelined_open_speaks_as_a_called_one_and_a_refusal_is_its_first_event(remote, tiny_checkpoint):
+    """open_context_pipelined: the open, the text and the close leave together; the codes are the called open's. A
+    refused one (an unknown voice here; no slot below) ends with ContextDone("refused") carrying the error's code and
+    field, the text sent to it meanwhile is dropped, and the engine goes on serving."""
+    async def main(engine):
+        called = engine.open_context(spec())
+        piped = engine.open_context_pipelined(spec())
+        refused = engine.open_context_pipelined(spec(voice="nobody"))
+        for ctx in (called, piped, refused):
+            ctx.append_text(TEXT)
+            ctx.close()
+        return [await within(ctx) for ctx in (called, piped, refused)]
+
+    called, piped, refused = asyncio.run(main(remote))
+    assert len(codes_of(piped)) == GREEDY.max_frames
+    np.testing.assert_array_equal(codes_of(piped), codes_of(called))
+    assert len(refused) == 1 and refused[0].reason == "refused"
+    assert (refused[0].error_code, refused[0].error_param) == ("unknown_voice", "voice")
+    assert "nobody" in refused[0].error_message
+
+    one_slot = spawn(tiny_checkpoint, max_slots=1)
+    try:
+        async def two():
+            first = one_slot.open_context_pipelined(spec())
+            second = one_slot.open_context_pipelined(spec())
+            second.append_text(TEXT)
+            second.close()
+            second_events = await within(second)
+            first.append_text(TEXT)
+            first.close()
+            return await within(first), second_events
+
+        first, second = asyncio.run(two())
+        assert [ev.reason for ev in second] == ["refused"] and second[0].error_code == "overloaded"
+        assert "slots" in second[0].error_message
+        assert first[-1].reason == "max_frames" and len(codes_of(first)) == GREEDY.max_frames
+    finally:
+        one_slot.stop()
+
+
 def test_a_fault_stays_in_its_context(remote):
     async def main():
         broken = remote.open_context(spec())

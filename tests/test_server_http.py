@@ -14,7 +14,7 @@ import wave
 import numpy as np
 import opuslib
 import pytest
-from live_server import Raw, http_get, live_server, run, speak_ctx
+from live_server import CONFIGS, Raw, http_get, live_server, run, speak_ctx, start_server
 
 TEXT = "Hello world, how are you today?"  # 6 words -> 12 frames at 2 frames per word
 
@@ -272,23 +272,34 @@ def test_openai_sdk_streams_a_valid_wav(server, tmp_path):
     assert models.data[0].id
 
 
-def test_http_overloaded_503(tiny_checkpoint):
-    strict = live_server(tiny_checkpoint, "strict")
+@pytest.mark.parametrize("engine_process", ["off", "on"])
+def test_http_overloaded_503(tiny_checkpoint, engine_process):
+    """Every slot taken: 503 overloaded with Retry-After. With the engine in its own process the open is pipelined
+    (the refusal arrives as the context's first event), and the answer is the same."""
+    if engine_process == "on":
+        strict = start_server(tiny_checkpoint, [*CONFIGS["strict"], "--engine-process", "on"])
+    else:
+        strict = live_server(tiny_checkpoint, "strict")
     auth = {"Authorization": "Bearer key-one"}
 
     async def go():
         raw = await Raw.open(strict.ws_url, headers=auth)
         for i in range(3):  # the strict server's 3 engine slots
             await speak_ctx(raw, f"h{i}", [], close=False)
-        status, headers, data = post(strict, {"input": TEXT, "response_format": "pcm"}, auth)
-        assert status == 503 and headers["retry-after"] == "1"
-        assert json.loads(data)["error"]["code"] == "overloaded"
+        for stream in (True, False):  # the streamed response and the whole one
+            status, headers, data = post(strict, {"input": TEXT, "response_format": "pcm", "stream": stream}, auth)
+            assert status == 503 and headers["retry-after"] == "1"
+            assert json.loads(data)["error"]["code"] == "overloaded"
         await raw.send({"type": "cancel_all"})
         for _ in range(3):
             await raw.expect("context.cancelled")
         await raw.close()
 
-    run(go())
+    try:
+        run(go())
+    finally:
+        if engine_process == "on":
+            strict.stop()
 
 
 def test_demo_page_and_assets(server):

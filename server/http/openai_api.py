@@ -185,8 +185,10 @@ async def speech(request: Request) -> Response:
         except RuntimeError as exc:
             raise ProtocolError("unsupported_format", str(exc), "response_format") from None
         fault = obj.get("test_fault") if rt.config.test_hooks else None
+        # pipelined: the engine in its own process takes the open, the text and the close in one go; a refusal is
+        # then the stream's first event, answered with the same status (the response starts with the first audio)
         stream = ContextStream.open(rt.engine, req.options, instructions,
-                                    AudioStream(file.output, segment_flush=False), rt.executor)
+                                    AudioStream(file.output, segment_flush=False), rt.executor, pipelined=True)
         if isinstance(fault, dict) and fault.get("kind") in ("exception", "nan"):  # test hook
             stream.ectx.inject_fault(fault["kind"], int(fault.get("at_frame") or 0))
         stream.add_segments(segments)  # EngineError, e.g. whole-layout text longer than the prompt may be
@@ -282,10 +284,18 @@ class SpeechStream(Response):
                           self.stream.frames, self.audio.encoded_ms, (time.monotonic() - self.t0) * 1000,
                           phases_text(self.first_audio_phases))
 
-    async def _send_error(self, send, code: str, message: str) -> None:
+    async def _send_error(self, send, code: str, message: str, param: str | None = None) -> None:
         """An error status instead of the audio (nothing of the response has been sent)."""
         self.rt.metrics.errors.inc("http", code)
-        await error_response(code, message)(self.scope, _no_receive, send)
+        await error_response(code, message, param)(self.scope, _no_receive, send)
+
+    async def _refused(self, send, ev: ContextDone) -> None:
+        """Admission said no after a pipelined open: the answer a refusal at the door gives (speech(), above)."""
+        self.reason = "refused"
+        code = ev.error_code if ev.error_code in ERRORS else "internal"  # as as_protocol_error reads an error
+        if code in ("overloaded", "text_too_long"):
+            self.rt.metrics.rejections.inc("http", code)
+        await self._send_error(send, code, ev.error_message or "refused", ev.error_param)
 
     async def _synthesis_failed(self, send, ev: ContextDone) -> None:
         self.reason = "error"
@@ -326,7 +336,7 @@ class SpeechStream(Response):
         """(body bytes, the engine's ContextDone or None) as the stream makes audio."""
         async for ev in self.stream.events(engine_running=self.rt.engine_running):
             if ev.done is not None:
-                if ev.done.reason == "error":
+                if ev.done.reason in ("error", "refused"):
                     yield b"", ev.done
                     return
                 tail = self.file.body(await self.stream.end_open_segment())
@@ -359,6 +369,8 @@ class SpeechStream(Response):
         pending = self.file.header()
         done_ev: ContextDone | None = None
         async for data, ev in self._events():
+            if ev is not None and ev.reason == "refused":  # always the first event: nothing sent yet
+                return await self._refused(send, ev)
             if ev is not None and ev.reason == "error":
                 if not self.started:  # nothing sent yet: a proper error status
                     return await self._synthesis_failed(send, ev)
@@ -385,6 +397,8 @@ class SpeechStream(Response):
         parts: list[bytes] = []
         done_ev = None
         async for data, ev in self._events():
+            if ev is not None and ev.reason == "refused":
+                return await self._refused(send, ev)
             if ev is not None and ev.reason == "error":
                 return await self._synthesis_failed(send, ev)
             parts.append(data)
