@@ -365,7 +365,11 @@ def serve_engine_process(build: Callable[..., Engine], args: tuple, commands: Co
                          replies: Connection) -> None:
     """The engine process's main: build the engine, say hello, then serve commands until told to stop or until the
     server has gone (its end of the commands pipe closes)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server decides (drains)
+    # Ctrl-C, and a SIGTERM sent to the whole process group (systemd's default, `timeout`, a shell's job control),
+    # reach this process too: the server decides (it drains, then stops us). Without the server, the commands pipe
+    # closes and this process stops by itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = build(*args)
     except BaseException as exc:  # noqa: BLE001 - told to the server, which reports it

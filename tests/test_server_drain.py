@@ -4,6 +4,7 @@ flight finish, those still open at the deadline are cancelled, then close 1001 a
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 import urllib.error
@@ -57,5 +58,32 @@ def test_sigterm_drains(tiny_checkpoint):
 
         run(go())
         assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+
+
+def test_a_sigterm_to_the_whole_group_drains_with_the_engine_in_its_own_process(tiny_checkpoint):
+    """systemd (KillMode=control-group), `timeout` and a shell's job control send SIGTERM to every process of the
+    group, the engine process included. It leaves the decision to the server: the context in flight finishes its
+    audio and the server exits cleanly, instead of the stream failing with "engine stopped"."""
+    server = start_server(tiny_checkpoint, [*CONFIGS["default"], "--engine-process", "on", "--drain-timeout-s", "20"])
+    try:
+        async def go():
+            raw = await Raw.open(server.ws_url)
+            await raw.send({"type": "context.create", "context_id": "c", "max_frames": 40, "min_frames": 40})
+            await raw.expect("context.created")
+            await raw.send({"type": "text", "context_id": "c", "text": "one two three four five six seven."})
+            await raw.send({"type": "context.close", "context_id": "c"})
+            os.killpg(server.proc.pid, signal.SIGTERM)
+            await raw.expect("session.draining", timeout=10)
+            while True:
+                m = await raw.recv(60)
+                if m.get("type") in ("context.done", "context.cancelled", "error"):
+                    return m
+
+        end = run(go())
+        assert end["type"] == "context.done" and end["reason"] == "completed", end
+        assert server.proc.wait(30) == 0
+        assert "engine process exited" not in server.log_text()
     finally:
         server.stop()
