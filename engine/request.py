@@ -89,10 +89,11 @@ class Request:
     finish_reason: str = "completed"
     frames_emitted: int = 0
     first_audio_at: float | None = None
-    # when the steps of the first audio were planned (FirstAudioTimes)
-    prefill_planned_at: float | None = None
-    code_predictor_planned_at: float | None = None  # frame 0
-    codec_planned_at: float | None = None  # the first chunk
+    prefill_planned_at: float | None = None  # when the step of its prefill was planned (FirstAudioTimes)
+    # Until its first audio: when the device ran each step on its way there ({stage: (start, end)}, host clock)
+    # and when the work queued ahead of its prefill ended (StageResult.device_spans, ahead_done)
+    first_audio_spans: dict[str, tuple[float, float]] = field(default_factory=dict)
+    ahead_of_prefill_done: float | None = None
     newcomer: bool = True  # at its first text the listener had nothing left to play: it waits for this segment
     audible_at: float | None = None  # when the consumer reported the segment's first audible audio
     done: bool = False
@@ -113,6 +114,10 @@ class Request:
 
     def first_audio_times(self, collected: float) -> FirstAudioTimes:
         """The record of the segment's first audio, collected now (every step before it has been planned)."""
-        return FirstAudioTimes(arrival=self.arrival, prefill_planned=self.prefill_planned_at,
-                               code_predictor_planned=self.code_predictor_planned_at,
-                               codec_planned=self.codec_planned_at, collected=collected)
+        def span(stage: str) -> tuple[float | None, float | None]:
+            return self.first_audio_spans.get(stage, (None, None))
+
+        return FirstAudioTimes(arrival=self.arrival, prefill_planned=self.prefill_planned_at, collected=collected,
+                               ahead_done=self.ahead_of_prefill_done, prefill_started=span("prefill")[0],
+                               prefill_done=span("prefill")[1], code_predictor_done=span("code_predictor")[1],
+                               codec_done=span("codec")[1])

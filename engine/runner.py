@@ -87,6 +87,26 @@ def resolve_slots(cfg: EngineConfig, loaded: LoadedModel) -> EngineConfig:
     return cfg.with_slots(slots)
 
 
+class DeviceClock:
+    """Maps CUDA events to the host's clock (time.monotonic()). Events measure time between one another on the
+    device's clock; one event whose host time is known anchors the rest. The anchor is the last event the host
+    waited for and saw complete (it completed as the wait returned, to within the wake-up, microseconds), renewed at
+    every such wait, so the two clocks' drift never accumulates."""
+
+    def __init__(self):
+        self.event, self.host = None, 0.0
+
+    def saw(self, event, now: float, waited: bool) -> None:
+        """The host saw `event` complete at `now`; waited: it was not complete before the wait (so it completed
+        just now). An event that was already complete anchors only while there is no better one."""
+        if waited or self.event is None:
+            self.event, self.host = event, now
+
+    def host_time(self, event) -> float:
+        """The host time at which `event` completed (on the anchor's side of the device's timeline)."""
+        return self.host + self.event.elapsed_time(event) / 1e3
+
+
 class InjectedFault(RuntimeError):
     """Raised by the test-only fault hook."""
 
@@ -139,6 +159,10 @@ class Pending:
     elapsed_s: float = 0.0  # CPU: the launch ran the step, so its duration is known when launch returns
     start_event: object = None  # CUDA: timing events around the step's own work on the stream
     end_event: object = None
+    # Where a FIRST_AUDIO step's parts end on the device: (stage, CUDA event, or host time on the CPU) for its
+    # prefill and Code Predictor; the codec's end is the step's end
+    marks: list[tuple[str, object]] = field(default_factory=list)
+    ahead: object = None  # CUDA, one lane: the end event of the step launched before this one (queued ahead of it)
 
 
 class Runner:
@@ -185,6 +209,11 @@ class Runner:
         self.graph_failure: str | None = None
         self.debug_sync = cfg.debug_sync
         self._last_end_event = None  # the end of the step collected last (one lane): the device's idle gap after it
+        self._last_launched_end = None  # the end of the step launched last (one lane): what the next one queues behind
+        self._pending: Pending | None = None  # the step being launched (its part marks)
+        # An event whose host time is known (the host saw it complete as it waited for it): events map to the host's
+        # clock through it (DeviceClock)
+        self.device_clock = DeviceClock()
 
     # ------------------------------------------------------------------ launch / collect
     def launch(self, plan: StagePlan) -> Pending:
@@ -229,6 +258,8 @@ class Runner:
             # scheduler's cost model needs this step's own device time, which events around it give.
             pending.start_event = torch.cuda.Event(enable_timing=True)
             pending.start_event.record()
+            pending.ahead = self._last_launched_end if self.streams is None else None
+        self._pending = pending
         stage_fn = getattr(self, f"_{plan.stage.value}")
 
         def run(rows: list[RowPlan]) -> StepOutputs:
@@ -262,17 +293,33 @@ class Runner:
         if self.device.type == "cuda":
             pending.end_event = torch.cuda.Event(enable_timing=True)
             pending.end_event.record()
+            self._last_launched_end = pending.end_event
         else:
             pending.elapsed_s = time.monotonic() - pending.started
+        self._pending = None
         return pending
+
+    def _mark(self, stage: str) -> None:
+        """The part `stage` of the step being launched ends here (FIRST_AUDIO: its per-part device times)."""
+        if self._pending is None:
+            return
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._pending.marks.append((stage, event))
+        else:
+            self._pending.marks.append((stage, time.monotonic()))
 
     def collect(self, pending: Pending) -> StageResult:
         elapsed = pending.elapsed_s
         if pending.end_event is not None:
+            finished_before = pending.end_event.query()
             pending.end_event.synchronize()
+            self.device_clock.saw(pending.end_event, time.monotonic(), waited=not finished_before)
             elapsed = pending.start_event.elapsed_time(pending.end_event) / 1e3
         plan, n = pending.plan, len(pending.plan.rows)
         result = StageResult(plan.stage, [r.rid for r in plan.rows], elapsed)
+        result.device_spans, result.ahead_done = self._device_spans(pending)
         if pending.end_event is not None and self.streams is None:
             # Both events have completed (this step's end was just waited for): reading them never waits.
             if self._last_end_event is not None:
@@ -298,6 +345,21 @@ class Runner:
         if "pcm" in merged:
             result.pcm, result.codes = self._own_frames(plan.rows, merged["pcm"], merged["codes"])
         return result
+
+    def _device_spans(self, pending: Pending) -> tuple[dict[str, tuple[float, float]], float | None]:
+        """When each part of a collected step ran on the device, on the host's clock: {stage: (start, end)} (a
+        FIRST_AUDIO step: its prefill, Code Predictor and codec), and when the work queued ahead of it ended (None:
+        the CPU, two lanes, or nothing launched before it)."""
+        stage = pending.plan.stage.value
+        if pending.end_event is None:  # the CPU: launch ran the step; its marks are host times
+            bounds = [pending.started, *(t for _, t in pending.marks), pending.started + pending.elapsed_s]
+            names = [name for name, _ in pending.marks] + ["codec" if pending.marks else stage]
+            return {name: (a, b) for name, a, b in zip(names, bounds[:-1], bounds[1:], strict=True)}, None
+        to_host = self.device_clock.host_time
+        bounds = [to_host(pending.start_event), *(to_host(e) for _, e in pending.marks), to_host(pending.end_event)]
+        names = [name for name, _ in pending.marks] + ["codec" if pending.marks else stage]
+        spans = {name: (a, b) for name, a, b in zip(names, bounds[:-1], bounds[1:], strict=True)}
+        return spans, None if pending.ahead is None else to_host(pending.ahead)
 
     def _own_frames(self, rows: list[RowPlan], pcm: list, codes: list) -> tuple[list, list]:
         """Each codec row's audio and codes of its own chunk (a step of mixed chunks is padded to its largest)."""
@@ -430,7 +492,9 @@ class Runner:
         what the one before wrote into the slots' device state, so nothing waits for the host between them. A row
         whose code 0 is EOS decodes a frame nobody keeps (the scheduler drops it)."""
         sampled = self._prefill(rows)
+        self._mark("prefill")
         self._code_predictor(rows)
+        self._mark("code_predictor")
         audio = self._codec(rows)
         return StepOutputs(eos=sampled.eos, bad=sampled.bad, pcm=audio.pcm, codes=audio.codes)
 

@@ -48,6 +48,7 @@ log = logging.getLogger("voicelane.scheduler")
 SAMPLE_RATE = 24000
 STARVATION_S = 1.0  # a runnable request not served for this long is treated as urgent
 # Throughput mode breaks ties towards finishing work already in flight.
+FIRST_AUDIO_PARTS = ("prefill", "code_predictor", "codec")  # the stages on a segment's way to its first audio
 STAGE_ORDER = (Stage.CODEC, Stage.CODE_PREDICTOR, Stage.TALKER, Stage.PREFILL, Stage.FIRST_AUDIO)
 # Rank classes (Scheduler._rank): a playing stream about to run dry (or starving), a newcomer, another urgent
 # playing stream, nothing urgent.
@@ -425,8 +426,6 @@ class Scheduler:
         if stage == Stage.CODE_PREDICTOR:
             s = r.frames_made
             r.frames_made += 1
-            if s == 0:
-                r.code_predictor_planned_at = now
             if r.frames_made >= r.sampling.max_frames:
                 self._stop(r, r.frames_made, "max_frames")
             self._apply_bench_length(r)
@@ -439,8 +438,6 @@ class Scheduler:
         first = r.frames_decoded
         r.frames_decoded += chunk
         r.chunks += 1
-        if first == 0:
-            r.codec_planned_at = now
         return RowPlan(r.rid, r.context.cid, r.slot, first, chunk=chunk)
 
     def _stop(self, r: Request, frames: int, reason: str) -> None:
@@ -465,6 +462,8 @@ class Scheduler:
             if result.failed and result.failed[i]:
                 self.fail(r.context.cid, result.failed[i], now)
                 continue
+            if r.first_audio_at is None and result.device_spans:
+                self._note_first_audio_spans(r, result)
             if result.eos is not None:
                 if result.eos[i] and r.eos_at is None:
                     r.eos_at = r.code0_checked
@@ -477,6 +476,17 @@ class Scheduler:
             self._finish_segment_if_done(r, now)
         out, self.outbox = self.outbox, []
         return out
+
+    @staticmethod
+    def _note_first_audio_spans(r: Request, result: StageResult) -> None:
+        """Keep where the device ran this request's steps toward its first audio: the first of each stage is the
+        one on that path (its prefill, frame 0's Code Predictor, its first codec chunk: steps are collected in
+        launch order)."""
+        for stage, span in result.device_spans.items():
+            if stage in FIRST_AUDIO_PARTS:
+                r.first_audio_spans.setdefault(stage, span)
+        if result.stage in (Stage.PREFILL, Stage.FIRST_AUDIO) and r.ahead_of_prefill_done is None:
+            r.ahead_of_prefill_done = result.ahead_done
 
     def _emit_audio(self, r: Request, pcm, codes, now: float) -> None:
         ctx = r.context

@@ -102,6 +102,11 @@ class StageResult:
     # How long the device sat idle between the step collected before this one and this one's start: the host had not
     # queued it yet (CUDA events, one lane; None on the CPU, with two lanes, or for the first step)
     idle_before_s: float | None = None
+    # When the step's parts ran on the device, on the host's clock (time.monotonic()): {stage: (start, end)}, one
+    # entry for a one-stage step, three for FIRST_AUDIO (prefill, code_predictor, codec). Each request's first
+    # audio is cut into phases at these points (FirstAudioTimes)
+    device_spans: dict[str, tuple[float, float]] | None = None
+    ahead_done: float | None = None  # when the device finished the work queued ahead of this step (None: unknown)
 
 
 # ---------------------------------------------------------------------------------------------- events
@@ -113,10 +118,15 @@ class FirstAudioTimes:
     the hand-off to the event loop and its receipt there (EngineContext._push)."""
 
     arrival: float  # the segment's first text reached the scheduler (Request.arrival)
-    prefill_planned: float  # the step holding its PREFILL row was planned
-    code_predictor_planned: float  # ... its CODE_PREDICTOR row for frame 0
-    codec_planned: float  # ... its first CODEC chunk
-    collected: float  # that chunk's audio was collected on the engine thread (Request.first_audio_at)
+    prefill_planned: float  # the step holding its PREFILL row (or its FIRST_AUDIO chain) was planned
+    collected: float  # its first chunk's audio was collected on the engine thread (Request.first_audio_at)
+    # The device's points (StageResult.device_spans; None where not known): the work queued ahead of its prefill
+    # ended, its prefill started and ended, its frame 0's Code Predictor ended, its first codec chunk ended
+    ahead_done: float | None = None
+    prefill_started: float | None = None
+    prefill_done: float | None = None
+    code_predictor_done: float | None = None
+    codec_done: float | None = None
     handed: float | None = None  # Engine._deliver handed it to the event loop (engine thread)
     received: float | None = None  # the event loop took it into the context's queue
 

@@ -33,10 +33,13 @@ FIRST_AUDIO_PHASE_BUCKETS_S = (*(round(i * 0.00025, 5) for i in range(1, 21)), *
 # first from the TTFA's start), so they sum to the TTFA. docs/benchmarks/README.md, "Where first audio goes".
 FIRST_AUDIO_PHASES = (
     "server_in",  # the TTFA's start (HTTP: the request; WebSocket: the context's first text) -> the engine has it
-    "queue",  # -> the segment's prefill planned
-    "prefill_to_cp",  # -> its Code Predictor step for frame 0 planned
-    "cp_to_codec",  # -> its first codec chunk planned
-    "codec_to_collect",  # -> that chunk's audio collected on the engine thread
+    "queue",  # -> the step of its prefill (the FIRST_AUDIO chain, by default) planned
+    "behind",  # -> the device finished the work queued ahead of that step (the step in flight when it was planned)
+    "launch",  # -> the device started it (the host's launch, where the device was idle before it)
+    "prefill",  # -> its prefill ended on the device
+    "code_predictor",  # -> its frame 0's Code Predictor ended on the device (three steps: with the host between)
+    "codec",  # -> its first codec chunk ended on the device (three steps: with the host and other steps between)
+    "collect",  # -> that chunk's audio collected on the engine thread
     "deliver",  # -> the event loop took it
     "encode",  # -> the first packets ready (trim + encode, with the hop to the encoder pool where it runs there)
     "send",  # -> handed to the socket (WebSocket) or to the ASGI send (HTTP)
@@ -94,12 +97,18 @@ class Histogram(_Series):
 def first_audio_phases(start: float, times: FirstAudioTimes, packets_at: float | None,
                        sent: float) -> dict[str, float]:
     """A context's server-side TTFA (start -> sent, time.monotonic()) cut into FIRST_AUDIO_PHASES at the engine's
-    points (`times`) and the first packets' readiness (`packets_at`), seconds; they sum to sent - start. When the
-    first bytes sent carried no packet (a WAV header) the encode phase runs to the send."""
+    points (`times`) and the first packets' readiness (`packets_at`), seconds; they sum to sent - start. The
+    device's points come from CUDA events mapped to the host's clock (to within microseconds); each point is held
+    between its neighbours, and a point not known (nothing queued ahead, a record without device times) adds a
+    zero phase. When the first bytes sent carried no packet (a WAV header) the encode phase runs to the send."""
     ready = sent if packets_at is None else min(packets_at, sent)
     received = times.collected if times.received is None else times.received
-    points = (start, times.arrival, times.prefill_planned, times.code_predictor_planned, times.codec_planned,
-              times.collected, received, ready, sent)
+    device = (times.ahead_done, times.prefill_started, times.prefill_done, times.code_predictor_done,
+              times.codec_done)
+    points = [start, times.arrival, times.prefill_planned]
+    for point in device:  # inside [planned, collected], in order
+        points.append(points[-1] if point is None else min(max(point, points[-1]), times.collected))
+    points += [times.collected, received, ready, sent]
     return {name: b - a for name, (a, b) in zip(FIRST_AUDIO_PHASES, itertools.pairwise(points), strict=True)}
 
 
@@ -127,7 +136,7 @@ class ServerMetrics:
                               "(HTTP: the request) to its first audio handed to the socket", ("transport",))
         self.first_audio_phase = Histogram(r, "voicelane_first_audio_phase_seconds", "Server-side time to first "
                                            "audio, phase by phase (they sum to voicelane_ttfa_seconds): server_in, "
-                                           "queue, prefill_to_cp, cp_to_codec, codec_to_collect, deliver, encode, "
+                                           "queue, behind, launch, prefill, code_predictor, codec, collect, deliver, encode, "
                                            "send", ("transport", "phase"), buckets=FIRST_AUDIO_PHASE_BUCKETS_S)
         self.active_contexts = Gauge(r, "voicelane_active_contexts", "Contexts open now", ("transport",))
         self.sessions = Gauge(r, "voicelane_ws_sessions", "WebSocket sessions open now")

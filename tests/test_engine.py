@@ -382,8 +382,10 @@ def test_the_first_audio_chain_runs_three_steps_as_one_and_changes_nothing_they_
         assert np.abs(pcm_of(a) - pcm_of(b)).max() < 1e-5
         first = next(e for e in b if isinstance(e, AudioChunk))
         assert first.first_frame == 0 and len(first.codes) == 1  # the chain's chunk: frame 0 alone
-        times = first.first_audio
-        assert times.prefill_planned == times.code_predictor_planned == times.codec_planned <= times.collected
+        # where each part of the way to first audio ran (three steps or one): in order, each part taking time
+        for times in (first.first_audio, next(e for e in a if isinstance(e, AudioChunk)).first_audio):
+            assert times.prefill_planned <= times.prefill_started < times.prefill_done \
+                < times.code_predictor_done < times.codec_done <= times.collected, times
     loop = engine_one.stats().loop  # the loop's accounting: device idle gaps are measured on a GPU only
     assert loop.iterations >= sum(v.steps for v in stages_one.values()) and loop.host_s > 0
     assert (loop.idle_gaps > 0) == (tiny_model.device.type == "cuda")
@@ -531,3 +533,42 @@ def test_a_codec_step_of_mixed_chunks_gives_each_row_its_own_audio(tiny_model, m
         with torch.inference_mode():
             whole = tiny_model.codec(codes[i, :done[i]].T[None].to(tiny_model.device)).flatten().cpu().numpy()
         assert np.abs(together[i] - whole).max() < 1e-5
+
+
+class _FakeEvent:
+    """A CUDA event as DeviceClock reads it: when it completed on the device's clock (seconds)."""
+
+    def __init__(self, device_s: float):
+        self.device_s = device_s
+
+    def elapsed_time(self, other: "_FakeEvent") -> float:  # ms, as torch.cuda.Event's
+        return (other.device_s - self.device_s) * 1e3
+
+
+def test_device_events_map_to_the_host_clock_through_the_last_one_waited_for():
+    """A chain's parts, timed by events on the device's clock (offset by 1000 s from the host's here), come back as
+    host times through the anchor, and the work queued ahead of it maps too; an event found already complete does
+    not replace an anchor, one waited for does."""
+    from types import SimpleNamespace
+
+    from engine.runner import DeviceClock, Pending, Runner
+    from engine.types import Stage, StagePlan
+
+    clock = DeviceClock()
+    end = _FakeEvent(1005.0090)
+    clock.saw(_FakeEvent(1000.0), 0.0, waited=False)  # no anchor yet: taken, even though found complete
+    clock.saw(end, 5.0091, waited=True)  # the host waited and saw it complete: 100 us of wake-up
+    clock.saw(_FakeEvent(1002.0), 99.0, waited=False)  # complete long before this look: not an anchor
+    pending = Pending(StagePlan(Stage.FIRST_AUDIO, []), started=5.0, start_event=_FakeEvent(1005.0010),
+                      end_event=end, ahead=_FakeEvent(1005.0005),
+                      marks=[("prefill", _FakeEvent(1005.0030)), ("code_predictor", _FakeEvent(1005.0060))])
+    spans, ahead = Runner._device_spans(SimpleNamespace(device_clock=clock), pending)
+    assert list(spans) == ["prefill", "code_predictor", "codec"]
+    expected = {"prefill": (5.0011, 5.0031), "code_predictor": (5.0031, 5.0061), "codec": (5.0061, 5.0091)}
+    for stage, (start, stop) in expected.items():
+        assert spans[stage] == (pytest.approx(start, abs=1e-9), pytest.approx(stop, abs=1e-9)), stage
+    assert ahead == pytest.approx(5.0006, abs=1e-9)
+    # a one-stage step: one span, named by its stage
+    single = Pending(StagePlan(Stage.TALKER, []), started=5.0, start_event=_FakeEvent(1005.0010), end_event=end)
+    spans, ahead = Runner._device_spans(SimpleNamespace(device_clock=clock), single)
+    assert list(spans) == ["talker"] and ahead is None

@@ -105,12 +105,13 @@ def test_two_servers_in_one_process_count_apart():
 
 
 def test_first_audio_phases_cut_the_ttfa_at_the_engines_points():
-    times = FirstAudioTimes(arrival=10.001, prefill_planned=10.003, code_predictor_planned=10.006,
-                            codec_planned=10.010, collected=10.015, handed=10.0152, received=10.016)
+    times = FirstAudioTimes(arrival=10.001, prefill_planned=10.003, collected=10.015, ahead_done=10.004,
+                            prefill_started=10.0045, prefill_done=10.006, code_predictor_done=10.009,
+                            codec_done=10.0145, handed=10.0152, received=10.016)
     m = ServerMetrics()
     phases = m.observe_first_audio("ws", 10.0, 10.020, times, packets_at=10.018)
     assert list(phases) == list(FIRST_AUDIO_PHASES)
-    expected = [0.001, 0.002, 0.003, 0.004, 0.005, 0.001, 0.002, 0.002]
+    expected = [0.001, 0.002, 0.001, 0.0005, 0.0015, 0.003, 0.0055, 0.0005, 0.001, 0.002, 0.002]
     assert list(phases.values()) == pytest.approx(expected)
     assert sum(phases.values()) == pytest.approx(0.020)
     s = samples(m.render(None, {"model": "m"}, None))
@@ -122,3 +123,19 @@ def test_first_audio_phases_cut_the_ttfa_at_the_engines_points():
     assert first_audio_phases(10.0, times, None, 10.020)["encode"] == pytest.approx(0.004)
     assert first_audio_phases(10.0, times, None, 10.020)["send"] == 0
     assert m.observe_first_audio("http", 10.0, 10.02, None, None) == {}
+
+
+def test_device_points_unknown_or_off_the_host_clock_stay_between_their_neighbours():
+    # nothing queued ahead (no point), a prefill start mapped a few us before the plan, a codec end after the collect
+    times = FirstAudioTimes(arrival=10.001, prefill_planned=10.003, collected=10.015, ahead_done=None,
+                            prefill_started=10.00299, prefill_done=10.006, code_predictor_done=10.009,
+                            codec_done=10.01501)
+    phases = first_audio_phases(10.0, times, 10.018, 10.020)
+    assert phases["behind"] == 0 and phases["launch"] == 0 and phases["collect"] == 0
+    assert phases["prefill"] == pytest.approx(0.003) and phases["codec"] == pytest.approx(0.006)
+    assert min(phases.values()) >= 0 and sum(phases.values()) == pytest.approx(0.020)
+    # a record without device times: planned -> collected is all "collect"
+    bare = FirstAudioTimes(arrival=10.001, prefill_planned=10.003, collected=10.015)
+    phases = first_audio_phases(10.0, bare, 10.018, 10.020)
+    assert phases["collect"] == pytest.approx(0.012)
+    assert all(phases[p] == 0 for p in ("behind", "launch", "prefill", "code_predictor", "codec"))

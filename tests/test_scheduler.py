@@ -59,6 +59,13 @@ class FakeRunner:
         plan = pending.plan
         res = StageResult(plan.stage, [r.rid for r in plan.rows], self.step_s)
         res.failed = [None] * len(plan.rows)
+        start = pending.started - self.step_s  # the step ran while launch advanced the clock
+        if plan.stage == Stage.FIRST_AUDIO:  # its three parts, a third of the step each
+            bounds = [start + self.step_s * k / 3 for k in range(4)]
+            res.device_spans = {part: (bounds[k], bounds[k + 1])
+                                for k, part in enumerate(("prefill", "code_predictor", "codec"))}
+        else:
+            res.device_spans = {plan.stage.value: (start, pending.started)}
         if plan.stage in (Stage.PREFILL, Stage.FIRST_AUDIO, Stage.TALKER):
             index = [r.frame + 1 if plan.stage == Stage.TALKER else 0 for r in plan.rows]
             res.eos = [self.eos_at.get(r.cid) == i for r, i in zip(plan.rows, index, strict=True)]
@@ -433,7 +440,11 @@ def test_first_audio_times_ride_on_each_segments_first_chunk_only_in_phase_order
         assert [e.first_audio is not None for e in chunks] == [True] + [False] * (len(chunks) - 1)
         t = chunks[0].first_audio
         assert t.arrival == text_at
-        assert t.arrival <= t.prefill_planned < t.code_predictor_planned < t.codec_planned < t.collected
+        # the device's points are those of its own steps toward first audio: its prefill, frame 0's Code
+        # Predictor, its first codec chunk (not a later frame's step of the same stage)
+        assert t.arrival <= t.prefill_planned <= t.prefill_started < t.prefill_done < t.code_predictor_done \
+            < t.codec_done <= t.collected
+        assert t.codec_done - t.code_predictor_done >= runner.step_s  # three steps: each its own step
         assert t.handed is None and t.received is None  # the engine's hand-off to the event loop stamps those
     first = {(e.cid, e.segment): e.first_audio for e in emitted if isinstance(e, AudioChunk) and e.first_audio}
     assert first[(a, 1)].prefill_planned > first[(a, 0)].collected  # segment 1 waited for segment 0
