@@ -136,8 +136,9 @@ class ServerMetrics:
                               "(HTTP: the request) to its first audio handed to the socket", ("transport",))
         self.first_audio_phase = Histogram(r, "voicelane_first_audio_phase_seconds", "Server-side time to first "
                                            "audio, phase by phase (they sum to voicelane_ttfa_seconds): server_in, "
-                                           "queue, behind, launch, prefill, code_predictor, codec, collect, deliver, encode, "
-                                           "send", ("transport", "phase"), buckets=FIRST_AUDIO_PHASE_BUCKETS_S)
+                                           "queue, behind, launch, prefill, code_predictor, codec, collect, "
+                                           "deliver, encode, send", ("transport", "phase"),
+                                           buckets=FIRST_AUDIO_PHASE_BUCKETS_S)
         self.active_contexts = Gauge(r, "voicelane_active_contexts", "Contexts open now", ("transport",))
         self.sessions = Gauge(r, "voicelane_ws_sessions", "WebSocket sessions open now")
         self.contexts = Counter(r, "voicelane_contexts_total", "Contexts ended, by how", ("transport", "reason"))

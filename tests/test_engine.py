@@ -541,7 +541,7 @@ class _FakeEvent:
     def __init__(self, device_s: float):
         self.device_s = device_s
 
-    def elapsed_time(self, other: "_FakeEvent") -> float:  # ms, as torch.cuda.Event's
+    def elapsed_time(self, other: _FakeEvent) -> float:  # ms, as torch.cuda.Event's
         return (other.device_s - self.device_s) * 1e3
 
 

@@ -322,6 +322,13 @@ def test_cli_resolves_flags_keys_and_hides_them(tmp_path, monkeypatch, capsys):
     assert bench_of().first_audio_chain and not bench_of("--first-audio-chain", "off").first_audio_chain
     assert bench_of().collect_first_audio_at_once
     assert not bench_of("--collect-first-audio-at-once", "off").collect_first_audio_at_once
+    # The engine's own process: auto is on for CUDA only; on and off are taken as they are.
+    def engine_process_of(*argv):
+        return config_from_args(build_parser().parse_args(["serve", *argv])).engine_process
+    assert not engine_process_of("--device", "cpu")
+    assert engine_process_of("--device", "cpu", "--engine-process", "on")
+    assert engine_process_of("--device", "cuda:1") and engine_process_of("--device", "cuda")
+    assert not engine_process_of("--device", "cuda", "--engine-process", "off")
     with pytest.raises(Exception, match="not a checkpoint directory"):
         config_from_args(build_parser().parse_args(["serve", "--model", str(tmp_path)]))
 
