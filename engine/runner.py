@@ -24,6 +24,7 @@ from engine.model.codec_layers import fingerprint
 from engine.model.prompt import NO_CODEC
 from engine.model.sampling import SamplerRows
 from engine.prefix_cache import PrefixLRU
+from engine.staging import HostStaging
 from engine.types import RowPlan, StagePlan, StageResult, StepOutputs
 
 log = logging.getLogger("voicelane.runner")
@@ -184,6 +185,7 @@ class Runner:
         self.host_position = [0] * S  # the same, known on the host without a sync (sizes attention spans)
 
         self.sampling = _SlotSampling(S, dev)
+        self.staging = HostStaging(dev)  # every step's host inputs, pinned once (the graphs' too)
         self.codec_state = self.codec.new_stream_state(S, dev, self.dtype)
         self.faults: dict[int, tuple[str, int]] = {}  # cid -> ("exception" | "nan", code-0 index), test hook
         self.kv_bytes = self.kv.bytes
@@ -265,7 +267,9 @@ class Runner:
         def run(rows: list[RowPlan]) -> StepOutputs:
             if self.debug_sync:
                 self.check_inputs(plan.stage.value, rows)
-            return stage_fn(rows)
+            # Copied out at once: the outputs may be a graph's static buffers, which its next replay (a retried
+            # row, the next step) overwrites in stream order after this copy.
+            return self._to_host(stage_fn(rows))
 
         rows = list(range(len(plan.rows)))
         try:
@@ -285,19 +289,24 @@ class Runner:
                 log.error("device fault in stage %s, rows %s", plan.stage.value,
                           [(r.cid, r.slot, r.frame, r.chunk) for r in plan.rows])
                 raise
-        for _, outputs in pending.parts:
-            for f in fields(outputs):
-                value = getattr(outputs, f.name)
-                if value is not None and value.device.type == "cuda":
-                    setattr(outputs, f.name, value.to("cpu", non_blocking=True))
         if self.device.type == "cuda":
             pending.end_event = torch.cuda.Event(enable_timing=True)
             pending.end_event.record()
             self._last_launched_end = pending.end_event
+            self.staging.seal(pending.end_event, torch.cuda.current_stream(self.device))
         else:
             pending.elapsed_s = time.monotonic() - pending.started
         self._pending = None
         return pending
+
+    @staticmethod
+    def _to_host(outputs: StepOutputs) -> StepOutputs:
+        """Enqueue the copies of a step's device outputs to the host (read at collect, after the step's end)."""
+        for f in fields(outputs):
+            value = getattr(outputs, f.name)
+            if value is not None and value.device.type == "cuda":
+                setattr(outputs, f.name, value.to("cpu", non_blocking=True))
+        return outputs
 
     def _mark(self, stage: str) -> None:
         """The part `stage` of the step being launched ends here (FIRST_AUDIO: its per-part device times)."""
@@ -410,23 +419,13 @@ class Runner:
         return self._upload(torch.tensor(values, dtype=dtype))
 
     def _upload(self, host: Tensor) -> Tensor:
-        """Host tensor -> the device without waiting: a copy from pageable memory would synchronize the stream
-        (the host would wait for the step in flight); from pinned memory it is queued behind it."""
-        if self.device.type != "cuda":
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
+        """Host tensor -> the device without waiting (HostStaging: a copy from pageable memory would synchronize
+        the stream, the host waiting for the step in flight; from pinned memory it is queued behind it)."""
+        return self.staging.upload([host])[0]
 
     def _upload_all(self, *hosts: Tensor) -> list[Tensor]:
-        """Several host tensors -> device tensors of the same dtypes and shapes, through one pinned buffer and one
-        copy: each upload costs the host tens of microseconds, on a newcomer's path to first audio. Each tensor
-        starts 8-byte aligned in the buffer, so its bytes view as its dtype on the device."""
-        sizes = [h.numel() * h.element_size() for h in hosts]
-        offsets = [sum(-(-n // 8) * 8 for n in sizes[:i]) for i in range(len(hosts))]
-        packed = torch.empty(offsets[-1] + -(-sizes[-1] // 8) * 8, dtype=torch.uint8)
-        for h, at, n in zip(hosts, offsets, sizes, strict=True):
-            packed[at:at + n] = h.contiguous().view(-1).view(torch.uint8)
-        device = self._upload(packed)
-        return [device[at:at + n].view(h.dtype).view(h.shape) for h, at, n in zip(hosts, offsets, sizes, strict=True)]
+        """Several host tensors -> device tensors of the same dtypes and shapes, in one copy."""
+        return self.staging.upload(list(hosts))
 
     @staticmethod
     def _ints(values: list) -> Tensor:
@@ -472,20 +471,17 @@ class Runner:
             text[i, : lengths[i] - start] = torch.tensor(r.prompt.text_track[start:])
             codec[i, : lengths[i] - start] = torch.tensor(r.prompt.codec_track[start:])
         floats, ints = _SlotSampling.rows([r.sampling for r in rows])
-        slots, text, codec, start, length, allow_eos, floats, ints = self._upload_all(
-            self._ints([r.slot for r in rows]), text, codec, self._ints(starts), self._ints(lengths),
-            torch.tensor([r.eos_allowed for r in rows]), floats, ints)
-        self.sampling.load(slots, floats, ints)
+        inputs = (self._ints([r.slot for r in rows]), text, codec, self._ints(starts), self._ints(lengths),
+                  torch.tensor([r.eos_allowed for r in rows]), floats, ints)
         kv_len = min(max(starts) + T, self.kv.max_len)
-        hidden, logits, code0 = self._graph_or_eager(
-            rows, lambda g: g.prefill(slots, text, codec, start, length, allow_eos, max(starts)),
-            lambda: self.prefill_step(slots, text, codec, start, length, allow_eos, kv_len,
+        eos, bad = self._graph_or_eager(
+            rows, lambda g: g.prefill(*inputs, max(starts)),
+            lambda: self.prefill_step(*self._upload_all(*inputs), kv_len,
                                       on_logits=lambda lg: self._inject(rows, [0] * len(rows), lg)))
         self._keep_prefixes(rows, starts)
-        self.hidden[slots], self.code0[slots], self.position[slots] = hidden, code0, length
         for r, n in zip(rows, lengths, strict=True):
             self.host_position[r.slot] = n
-        return StepOutputs(eos=code0 == self.model.eos_id, bad=~torch.isfinite(logits).all(dim=-1))
+        return StepOutputs(eos=eos, bad=bad)
 
     def _first_audio(self, rows: list[RowPlan]) -> StepOutputs:
         """PREFILL, then CODE_PREDICTOR for frame 0, then a 1-frame CODEC chunk, queued back to back: each reads
@@ -532,15 +528,23 @@ class Runner:
         return self.model.choose_code0(logits, self.sampling.talker(slots), self.sampling.penalty(slots),
                                        self.seen[slots], allow_eos, frame)
 
-    # Pure step functions over static-shaped tensors: run eagerly, or captured once per bucket by StageGraphs.
-    # on_logits (eager only): the test fault hook, called with the logits before sampling.
+    # Step functions over static-shaped tensors, each with its own bookkeeping of the slots' device state: run
+    # eagerly, or captured once per bucket by StageGraphs (rows that pad a batch to its bucket read and write the
+    # scratch slot). on_logits (eager only): the test fault hook, called with the logits before sampling.
+    def _flags(self, code0: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Per row: did it sample EOS, and are its logits not all finite -> eos [B] bool, bad [B] bool."""
+        return code0 == self.model.eos_id, ~torch.isfinite(logits).all(dim=-1)
+
     def prefill_step(self, slots: Tensor, text: Tensor, codec: Tensor, start: Tensor, length: Tensor,
-                     allow_eos: Tensor, kv_len: int, on_logits=None) -> tuple[Tensor, Tensor, Tensor]:
+                     allow_eos: Tensor, floats: Tensor, ints: Tensor, kv_len: int,
+                     on_logits=None) -> tuple[Tensor, Tensor]:
         """text, codec [B, T]: each row's prompt tracks from position start[b] on, right-padded; start [B]: the
         positions its cache row already holds (a cached prefix; 0: none); length [B]: the whole prompt's
-        positions; kv_len: cache columns attended (> every prompt position) -> hidden [B, H], logits [B, V],
-        code 0 [B]."""
+        positions; floats [B, 5], ints [B, 3]: its sampling settings (_SlotSampling); kv_len: cache columns
+        attended (> every prompt position). Leaves each slot's hidden state, code 0 and next position on the
+        device -> eos [B], bad [B]."""
         T = text.shape[1]
+        self.sampling.load(slots, floats, ints)
         self.seen.index_fill_(0, slots, False)  # a scalar fill, not a host tensor: capture-safe
         self.codec_state.reset_(slots)
         x = self.model.embed_prompt(text, codec)  # [B, T, H]
@@ -550,63 +554,74 @@ class Runner:
                                            valid_len=length)
         if on_logits is not None:
             on_logits(logits)
-        return hidden, logits, self.sample_code0(slots, logits, torch.zeros_like(length), allow_eos)
+        code0 = self.sample_code0(slots, logits, torch.zeros_like(length), allow_eos)
+        self.hidden[slots], self.code0[slots], self.position[slots] = hidden, code0, length
+        return self._flags(code0, logits)
 
-    def code_predictor_step(self, slots: Tensor, frame: Tensor) -> tuple[Tensor]:
-        rest, _ = self.model.codes_1_to_15(self.hidden[slots], self.code0[slots],
-                                           self.sampling.code_predictor(slots), frame)
-        return (rest,)
+    def code_predictor_step(self, slots: Tensor, frame: Tensor) -> tuple[()]:
+        """Codes 1-15 of each row's frame `frame` [B]: into the slots' `rest` and `frames` (nothing returned: the
+        frame stays on the device, for the codec)."""
+        code0 = self.code0[slots]
+        rest, _ = self.model.codes_1_to_15(self.hidden[slots], code0, self.sampling.code_predictor(slots), frame)
+        self.rest[slots] = rest
+        self.frames[slots, frame] = torch.cat([code0[:, None], rest], dim=1)
+        return ()
 
     def talker_step(self, slots: Tensor, text: Tensor, frame: Tensor, allow_eos: Tensor,
-                    kv_len: int, on_logits=None) -> tuple[Tensor, Tensor, Tensor]:
+                    kv_len: int, on_logits=None) -> tuple[Tensor, Tensor]:
+        """The next frame's code 0 of each row (text [B]: its text token id; frame [B]: that frame's index);
+        advances each slot's position (not the scratch slot's, which padded rows share) -> eos [B], bad [B]."""
         code0 = self.code0[slots]
         self.seen[slots, code0] = torch.ones_like(code0, dtype=torch.bool)  # a tensor value: capture-safe
         x = self.model.next_input(code0, self.rest[slots], text)
         last = torch.zeros_like(slots)
-        hidden, logits = self.model.talker(x, slots, self.position[slots, None], self.kv, kv_len, last=last)
+        position = self.position[slots]
+        hidden, logits = self.model.talker(x, slots, position[:, None], self.kv, kv_len, last=last)
         if on_logits is not None:
             on_logits(logits)
-        return hidden, logits, self.sample_code0(slots, logits, frame, allow_eos)
+        code0 = self.sample_code0(slots, logits, frame, allow_eos)
+        self.hidden[slots], self.code0[slots] = hidden, code0
+        self.position[slots] = position + (slots != self.scratch)
+        return self._flags(code0, logits)
 
-    def codec_step(self, slots: Tensor, codes: Tensor, valid: Tensor | None = None) -> tuple[Tensor]:
-        """codes [B, t, 16]; valid [B] (None: t each): frames of each row that are real, the rest padding."""
-        return (self.codec.decode_stream(codes.transpose(1, 2), self.codec_state, slots, valid=valid),)
+    def codec_step(self, slots: Tensor, first: Tensor, valid: Tensor, chunk: int,
+                   mixed: bool = True) -> tuple[Tensor, Tensor]:
+        """Each row's frames [first, first + valid) [B] from the slots' frames, padded to `chunk` by repeating its
+        last frame (audio nobody keeps; mixed=False: every row has `chunk` frames) -> pcm [B, chunk * 1920] fp32,
+        codes [B, chunk, 16]."""
+        offsets = torch.arange(chunk, device=slots.device)
+        index = first[:, None] + (torch.minimum(offsets, valid[:, None] - 1) if mixed else offsets)  # [B, chunk]
+        codes = self.frames[slots[:, None], index]  # [B, chunk, 16]
+        pcm = self.codec.decode_stream(codes.transpose(1, 2), self.codec_state, slots,
+                                       valid=valid if mixed else None)
+        return pcm.float(), codes
 
     def _code_predictor(self, rows: list[RowPlan]) -> StepOutputs:
-        slots, frame = self._upload_all(self._ints([r.slot for r in rows]), self._ints([r.frame for r in rows]))
-        (rest,) = self._graph_or_eager(rows, lambda g: g.code_predictor(slots, frame),
-                                       lambda: self.code_predictor_step(slots, frame))
-        self.rest[slots] = rest
-        self.frames[slots, frame] = torch.cat([self.code0[slots, None], rest], dim=1)
+        inputs = self._ints([r.slot for r in rows]), self._ints([r.frame for r in rows])
+        self._graph_or_eager(rows, lambda g: g.code_predictor(*inputs),
+                             lambda: self.code_predictor_step(*self._upload_all(*inputs)))
         return StepOutputs()  # the frame stays on the device, for the codec
 
     def _talker(self, rows: list[RowPlan]) -> StepOutputs:
         self._inject(rows, [r.frame + 1 for r in rows])
-        slots, text, frame, allow_eos = self._upload_all(
-            self._ints([r.slot for r in rows]), self._ints([r.text_id for r in rows]),
-            self._ints([r.frame + 1 for r in rows]), torch.tensor([r.eos_allowed for r in rows]))
+        inputs = (self._ints([r.slot for r in rows]), self._ints([r.text_id for r in rows]),
+                  self._ints([r.frame + 1 for r in rows]), torch.tensor([r.eos_allowed for r in rows]))
         kv_len = max(self.host_position[r.slot] for r in rows) + 1
-        hidden, logits, code0 = self._graph_or_eager(
-            rows, lambda g: g.talker(slots, text, frame, allow_eos, kv_len),
-            lambda: self.talker_step(slots, text, frame, allow_eos, kv_len,
+        eos, bad = self._graph_or_eager(
+            rows, lambda g: g.talker(*inputs, kv_len),
+            lambda: self.talker_step(*self._upload_all(*inputs), kv_len,
                                      on_logits=lambda lg: self._inject(rows, [r.frame + 1 for r in rows], lg)))
-        self.hidden[slots], self.code0[slots] = hidden, code0
-        self.position[slots] += 1
         for r in rows:
             self.host_position[r.slot] += 1
-        return StepOutputs(eos=code0 == self.model.eos_id, bad=~torch.isfinite(logits).all(dim=-1))
+        return StepOutputs(eos=eos, bad=bad)
 
     def _codec(self, rows: list[RowPlan]) -> StepOutputs:
         """Rows of different chunk sizes run padded to the largest, each decoding its own (collect cuts the
         padding off): a shorter row repeats its last frame, which the codec decodes into audio nobody keeps."""
         chunks = [r.chunk for r in rows]
         chunk = max(chunks)
-        slots, first, valid = self._upload_all(self._ints([r.slot for r in rows]), self._ints([r.frame for r in rows]),
-                                               self._ints(chunks))
-        offsets = torch.arange(chunk, device=self.device)
-        mixed = min(chunks) < chunk
-        index = first[:, None] + (torch.minimum(offsets, valid[:, None] - 1) if mixed else offsets)  # [B, chunk]
-        codes = self.frames[slots[:, None], index]  # [B, chunk, 16]
-        (pcm,) = self._graph_or_eager(rows, lambda g: g.codec(slots, codes, valid),
-                                      lambda: self.codec_step(slots, codes, valid if mixed else None))
-        return StepOutputs(pcm=pcm.float(), codes=codes)
+        inputs = self._ints([r.slot for r in rows]), self._ints([r.frame for r in rows]), self._ints(chunks)
+        pcm, codes = self._graph_or_eager(
+            rows, lambda g: g.codec(*inputs, chunk),
+            lambda: self.codec_step(*self._upload_all(*inputs), chunk, mixed=min(chunks) < chunk))
+        return StepOutputs(pcm=pcm, codes=codes)
