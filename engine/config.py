@@ -35,6 +35,10 @@ class SchedulerConfig:
     # The first-audio class ends at the consumer's onset report; a stream that reports none (a lost report, a
     # segment of silence) leaves it after this much audio, the server trimmer's own cap (max_trim_ms)
     first_audio_max_s: float = 2.0
+    # A codec step takes every runnable row whose own chunk is no larger than its anchor's, padded to the anchor's
+    # chunk (each row decodes its own frames); False: only rows of the anchor's chunk size (kept to compare in the
+    # simulator: when many streams ramp together, uniform chunks fragment the codec batches)
+    mix_codec_chunks: bool = True
     # refuse a newcomer whose own predicted first audio is later than this (first_audio policy; 0 = off)
     admission_first_audio_s: float = 0.25
     # Plan a step this long before the device is predicted to finish the one it runs, not as soon as the one

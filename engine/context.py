@@ -109,12 +109,13 @@ class EngineContext:
             buffered = None if buffered_ms is None else float(buffered_ms)
             self.engine.submit("playback", self.cid, float(played_ms), state, buffered)
 
-    def mark_audible(self, segment: int) -> None:
-        """The consumer's leading-silence trimmer found this segment's audible onset: the segment leaves the
-        first-audio class (spec.reports_onset). Cheap to call for every chunk after the onset."""
+    def mark_audible(self, segment: int, trimmed_s: float = 0.0) -> None:
+        """The consumer's leading-silence trimmer found this segment's audible onset after dropping `trimmed_s` of
+        its audio: the segment leaves the first-audio class (spec.reports_onset), and the engine's playback clock
+        counts that silence as never played. Cheap to call for every chunk after the onset."""
         if segment > self.audible_segment and not self.ended:
             self.audible_segment = segment
-            self.engine.submit("mark_audible", self.cid, segment)
+            self.engine.submit("mark_audible", self.cid, segment, float(trimmed_s))
 
     def inject_fault(self, kind: str, at_frame: int = 0) -> None:
         """Test hook: make this context's model step fail ("exception") or produce NaN logits ("nan")."""

@@ -29,13 +29,18 @@ class PlaybackClock:
     ack_state: str = "playing"  # buffering | playing | underrun | finished
     ack_buffered_s: float | None = None  # the client's own buffer level at the last report, if it sent one
     ack_delivered_s: float = 0.0  # delivered_s at the last report
+    # Leading silence the consumer's trimmer dropped (never played), and when the first audible audio was sent
+    # (the consumer's onset report): without acks, playback runs 1x from there over the audio kept.
+    trimmed_s: float = 0.0
+    audible_sent_at: float | None = None
 
     def buffer_empty_at(self) -> float | None:
         """When the listener runs out of audio (None: playback has not started, nothing delivered)."""
         if self.first_sent_at is None:
             return None
         if self.ack_at is None:
-            return self.first_sent_at + self.delivered_s
+            start = self.first_sent_at if self.audible_sent_at is None else self.audible_sent_at
+            return start + self.delivered_s - self.trimmed_s
         if self.ack_state in ("buffering", "underrun"):
             return self.ack_at  # the listener is waiting right now
         if self.ack_buffered_s is not None:  # the player's own count, plus what was delivered since

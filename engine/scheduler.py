@@ -187,8 +187,15 @@ class Scheduler:
             clock.ack_buffered_s = None if buffered_ms is None else buffered_ms / 1000.0
             clock.ack_delivered_s = clock.delivered_s
 
-    def mark_audible(self, cid: int, segment: int, now: float) -> None:
-        """The consumer's silence trimmer found the segment's audible onset: it leaves the first-audio class."""
+    def mark_audible(self, cid: int, segment: int, trimmed_s: float, now: float) -> None:
+        """The consumer's silence trimmer found the segment's audible onset, after dropping `trimmed_s` of its
+        leading silence: the segment leaves the first-audio class, and the playback clock learns that the listener
+        never gets that silence and (for the context's first audible audio) starts playing only now."""
+        ctx = self.contexts.get(cid)
+        if ctx is not None:
+            ctx.clock.trimmed_s += trimmed_s
+            if ctx.clock.audible_sent_at is None:
+                ctx.clock.audible_sent_at = now
         for r in self.segments.get(cid, ()):
             if r.segment == segment and r.audible_at is None:
                 r.audible_at = now
@@ -342,7 +349,8 @@ class Scheduler:
         else:
             stage, chunk = self._throughput_stage(runnable)
         # A codec step is padded to `chunk` frames: every row whose own chunk fits rides along (decoding its own).
-        members = [x for x in runnable if x[1] == stage and (stage != Stage.CODEC or x[2] <= chunk)]
+        members = [x for x in runnable if x[1] == stage and (stage != Stage.CODEC or x[2] == chunk
+                                                             or (self.cfg.mix_codec_chunks and x[2] < chunk))]
         members.sort(key=lambda x: x[3])
         limit = self.costs.max_batch[stage.value]
         if lane == "first":
@@ -371,7 +379,7 @@ class Scheduler:
         if not newcomers:
             return (URGENT if d <= now else NOT_URGENT, d)
         if self.in_first_audio_class(r):
-            return (NEWCOMER, r.arrival)
+            return (NEWCOMER, r.first_audio_at is not None, r.arrival)
         if r.generating or self.codec_chunk(r):
             if self._at_risk(r, now, chain, streams):
                 return (URGENT, d)

@@ -149,7 +149,7 @@ class ContextStream:
                 if packets and self.first_packets_at is None:
                     self.first_packets_at = time.monotonic()
                 if self.audio.onset_passed:  # the onset: the segment's first-audio priority ends
-                    self.ectx.mark_audible(ev.segment)
+                    self.ectx.mark_audible(ev.segment, self.audio.segment_trimmed_s)
                 yield StreamEvent(packets)
             elif isinstance(ev, SegmentDone):
                 packets = await self._run(self.audio.end_segment)

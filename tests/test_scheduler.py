@@ -14,6 +14,7 @@ from engine.model.config import ModelConfig
 from engine.model.presets import model_config
 from engine.model.prompt import resolve_voice
 from engine.model.sampling_params import SamplingParams
+from engine.request import PlaybackClock
 from engine.scheduler import AdmissionRefused, Scheduler
 from engine.trace import Timeline
 from engine.types import AudioChunk, ContextDone, Stage, StagePlan, StageResult
@@ -348,7 +349,7 @@ def playing_and_newcomer(policy, reports_onset=False):
     sched.append_text(a, list(range(100, 140)), clock())
     sched.end_segment(a, 40, clock(), close=True)
     serve(sched, runner, clock, lambda em: len(audio(em, a)) >= 2)
-    sched.mark_audible(a, 0, clock())
+    sched.mark_audible(a, 0, 0.0, clock())
     b = open_ctx(sched, clock, words=3, layout="whole", max_frames=20)
     return sched, runner, clock, a, b
 
@@ -392,7 +393,7 @@ def test_first_audio_class_holds_until_the_reported_onset():
     # a first chunk alone ends the class only for a consumer that reports no onset
     assert not sched.in_first_audio_class(head["plain"])
     assert sched.in_first_audio_class(head["reports"]) and sched.in_first_audio_class(head["silent"])
-    sched.mark_audible(cids["reports"], 0, clock())
+    sched.mark_audible(cids["reports"], 0, 0.0, clock())
     assert not sched.in_first_audio_class(head["reports"])
     # never reported: the class ends after first_audio_max_s of audio (0.5 s: 7 frames)
     serve(sched, runner, clock, lambda em: head["silent"].frames_emitted * 0.08 >= 0.5)
@@ -451,12 +452,12 @@ def test_first_audio_times_ride_on_each_segments_first_chunk_only_in_phase_order
 
 
 # ---------------------------------------------------------------------- codec steps of mixed chunk sizes (issue 13)
-def ramping_streams(policy):
+def ramping_streams(policy, mix_codec_chunks=True):
     """Streams arriving 8 steps apart while the earlier ones ramp up their chunks; codec steps cost 10 ms per frame
     of their padded size (a CPU's codec). Returns each codec plan with the chunk every request could decode just
     before it was planned."""
     cfg = three_steps(max_slots=16, chunk_ramp=(1, 2, 4, 12), policy=policy, admission_load=1e6,
-                          admission_first_audio_s=0)
+                      admission_first_audio_s=0, mix_codec_chunks=mix_codec_chunks)
     sched, core, runner, clock, emitted = make(cfg)
     steps, plan, launch = [], sched.plan, runner.launch
 
@@ -501,6 +502,19 @@ def test_a_codec_step_takes_every_chunk_up_to_the_anchors_and_each_row_decodes_i
     assert mixed > 0
     if policy == "first_audio":
         assert first_alone > 0
+
+
+def test_uniform_codec_chunks_take_only_the_anchors_size():
+    """mix_codec_chunks off (the simulator's comparison): a codec step holds only rows of its anchor's chunk size;
+    smaller chunks that would have ridden along wait for a step of their own."""
+    steps = ramping_streams("first_audio", mix_codec_chunks=False)
+    left_out = 0
+    for p, ready in steps:
+        size = p.rows[0].chunk
+        assert all(r.chunk == size == ready[r.rid] for r in p.rows)
+        assert {r.rid for r in p.rows} == {rid for rid, chunk in ready.items() if chunk == size}
+        left_out += any(chunk < size for chunk in ready.values())
+    assert left_out > 0  # the same load mixes chunks by default (the test above)
 
 
 def ramping_stream_and_newcomer():
@@ -640,3 +654,29 @@ def test_the_loop_counts_its_host_time_and_the_devices_idle_gaps():
     per_gap = [sum(1 for i in range(n) if i % 3 == k) for k in range(3)]  # 10 us, 300 us and 4 ms gaps
     assert [loop.idle_histogram[i] for i in (0, 2, 5)] == per_gap
     assert loop.idle_s == pytest.approx(sum([0.00001, 0.0003, 0.004][i % 3] for i in range(n)))
+
+
+def test_the_playback_clock_starts_at_the_onset_and_never_counts_trimmed_silence():
+    """Without acks the listener plays 1x from its first audible audio, and the leading silence the server's
+    trimmer dropped is never played: the onset report carries both to the clock."""
+    clock = PlaybackClock(delivered_s=0.24, first_sent_at=10.0)  # three 80 ms chunks, the first at t = 10
+    assert clock.buffer_empty_at() == pytest.approx(10.24)
+    clock.trimmed_s, clock.audible_sent_at = 0.15, 10.02  # 150 ms dropped; the first audible audio sent at 10.02
+    assert clock.buffer_empty_at() == pytest.approx(10.02 + 0.24 - 0.15)
+
+
+def test_an_onset_report_reaches_the_clock():
+    sched, _, runner, clock, _ = make(three_steps(max_slots=4))
+    a = sched.open_context(resolve_voice(MODEL, "ryan", "english"), SamplingParams(max_frames=50, min_frames=50),
+                           clock(), layout="whole", reports_onset=True)
+    sched.append_text(a, list(range(100, 110)), clock())
+    sched.end_segment(a, 10, clock(), close=True)
+    serve(sched, runner, clock, lambda em: len(audio(em, a)) >= 2)
+    before = sched.contexts[a].clock.buffer_empty_at()
+    onset = clock()
+    sched.mark_audible(a, 0, 0.1, onset)
+    ctx = sched.contexts[a].clock
+    assert ctx.audible_sent_at == onset and ctx.trimmed_s == pytest.approx(0.1)
+    assert ctx.buffer_empty_at() == pytest.approx(onset + ctx.delivered_s - 0.1) and ctx.buffer_empty_at() != before
+    sched.mark_audible(a, 1, 0.05, onset + 1)  # a later segment's silence: dropped too; playback started already
+    assert ctx.audible_sent_at == onset and ctx.trimmed_s == pytest.approx(0.15)

@@ -96,7 +96,7 @@ def test_slow_http_reader_is_cut_off():
         def cancel(self):
             self.cancelled = True
 
-        def mark_audible(self, segment):
+        def mark_audible(self, segment, trimmed_s=0.0):
             pass
 
     async def never_disconnects():

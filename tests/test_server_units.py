@@ -182,18 +182,20 @@ class CountingExecutor(ThreadPoolExecutor):
 
 
 class OneChunkContext:
-    """An engine context that says one audible chunk, then ends."""
+    """An engine context that says one audible chunk (after `silence_s` of leading silence), then ends."""
 
-    def __init__(self):
-        self.audible = []
+    def __init__(self, silence_s: float = 0.0):
+        self.silence_s = silence_s
+        self.audible, self.trimmed = [], []
 
     async def events(self):
-        tone = silence_then_tone(0.0, 0.08)
+        tone = silence_then_tone(self.silence_s, 0.08 - self.silence_s)
         yield AudioChunk(pcm=tone, start_sample=0, segment=0, first_frame=0, codes=np.zeros((1, 16), np.int64), cid=1)
         yield ContextDone("completed", len(tone), cid=1)
 
-    def mark_audible(self, segment):
+    def mark_audible(self, segment, trimmed_s=0.0):
         self.audible.append(segment)
+        self.trimmed.append(trimmed_s)
 
 
 @pytest.mark.parametrize("output,on_pool", [(lambda: PcmOutput("pcm_s16le", 24000), 0),
@@ -210,6 +212,19 @@ def test_native_rate_pcm_is_encoded_on_the_event_loop_and_the_rest_on_the_pool(o
     pool.shutdown()
     assert pool.calls == on_pool and events[-1].done is not None
     assert sum(p.samples for p in events[0].packets) > 0 and stream.ectx.audible == [0]
+
+
+def test_the_onset_report_says_how_much_leading_silence_was_dropped():
+    """The engine's playback clock must not count trimmed silence as audio the listener has: the onset report
+    carries the amount the trimmer dropped (50 ms of silence, less its 20 ms pre-roll)."""
+    stream = ContextStream(OneChunkContext(silence_s=0.05), AudioStream(PcmOutput("pcm_s16le", 24000),
+                                                                       segment_flush=False), None)
+
+    async def drain():
+        return [ev async for ev in stream.events()]
+
+    asyncio.run(drain())
+    assert stream.ectx.audible == [0] and stream.ectx.trimmed[0] == pytest.approx(0.03, abs=0.003)
 
 
 def test_startup_objects_are_frozen_out_of_full_collections():

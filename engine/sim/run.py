@@ -87,6 +87,9 @@ class SimOptions:
     # the engine's prompt-prefix cache (EngineConfig's bounds; 0: off, every prefill runs its whole prompt)
     prefix_cache_entries: int = EngineConfig.prefix_cache_entries
     prefix_cache_mib: float = EngineConfig.prefix_cache_mib
+    # the consumer reports each segment's audible onset (the server's trimmer does); False: the first-audio class
+    # ends at the first chunk, silent or not (the policy before issue 13, to compare)
+    reports_onset: bool = True
 
 
 @dataclass
@@ -162,7 +165,8 @@ class Simulation:
         layout = "whole" if a.mode == "whole" else "dual"
         try:
             x.cid = self._call(lambda: self.scheduler.open_context(
-                self.voice, SamplingParams(seed=a.index, min_frames=0), t, layout=layout, reports_onset=True))
+                self.voice, SamplingParams(seed=a.index, min_frames=0), t, layout=layout,
+                reports_onset=self.options.reports_onset))
         except AdmissionRefused as exc:
             x.refused = str(exc)
             return
@@ -197,9 +201,9 @@ class Simulation:
             if isinstance(e, AudioChunk):
                 was_playing = x.first_audible_at is not None
                 x.packet(now, e, x.arrival.silent_frames)
-                if not was_playing and x.first_audible_at is not None:
+                if self.options.reports_onset and not was_playing and x.first_audible_at is not None:
                     # the server's trimmer reports the onset (its executor hop is not modelled)
-                    self.scheduler.mark_audible(e.cid, e.segment, now)
+                    self.scheduler.mark_audible(e.cid, e.segment, x.dropped_s if e.segment == 0 else 0.0, now)
                     if self.options.ack_interval_s > 0:
                         self.events.at(now + self.options.ack_interval_s, lambda ta, x=x: self._ack(x, ta))
             elif isinstance(e, ContextDone):

@@ -34,6 +34,8 @@ def scheduler_config(args) -> SchedulerConfig:
         overrides["first_audio_lane"] = True
     if args.first_audio_chain is not None:
         overrides["first_audio_chain"] = args.first_audio_chain == "on"
+    if args.codec_chunks is not None:
+        overrides["mix_codec_chunks"] = args.codec_chunks == "mixed"
     if args.collect_first_audio_at_once is not None:
         overrides["collect_first_audio_at_once"] = args.collect_first_audio_at_once == "on"
     return replace(cfg, **overrides)
@@ -68,13 +70,17 @@ def main(argv: list[str] | None = None) -> dict:
                     "that makes first audio before launching the next (default: the configured one)")
     ap.add_argument("--lane-slowdown", type=float, default=1.0, help="two lanes: a step overlapping the other "
                     "lane's work takes this much longer (1: no contention)")
+    ap.add_argument("--codec-chunks", choices=["mixed", "uniform"], default=None, help="a codec step's rows: every "
+                    "chunk up to its anchor's (mixed, the default) or the anchor's chunk size only")
+    ap.add_argument("--no-onset", dest="reports_onset", action="store_false", help="the consumer reports no "
+                    "audible onset: the first-audio class ends at the first chunk even when it is silent")
     ap.add_argument("--out", default=None, help="write the summaries as JSON here")
     a = ap.parse_args(argv)
     profile = StageProfile.from_json(a.profile, a.graphs)
     cfg = scheduler_config(a)
     options = SimOptions(host_step_s=a.host_step_ms / 1e3, word_interval_s=a.word_interval_ms / 1e3,
                          ack_interval_s=a.ack_interval_ms / 1e3, prefix_cache_entries=a.prefix_cache_entries,
-                         lane_slowdown=a.lane_slowdown)
+                         lane_slowdown=a.lane_slowdown, reports_onset=a.reports_onset)
     results = {}
     lanes = f", first-audio lane (slowdown {a.lane_slowdown:g})" if cfg.first_audio_lane else ""
     lanes += ", first-audio chain" if cfg.first_audio_chain else ""

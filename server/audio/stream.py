@@ -51,6 +51,11 @@ class AudioStream:
         return self._encode(self.trimmer.process(pcm))
 
     @property
+    def segment_trimmed_s(self) -> float:
+        """Leading silence of the current segment dropped so far (seconds): all of it, once the onset has passed."""
+        return self.trimmer.dropped / MODEL_RATE
+
+    @property
     def onset_passed(self) -> bool:
         """The segment's audio has begun (its leading silence is over)."""
         return self.trimmer.passing
