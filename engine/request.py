@@ -33,6 +33,7 @@ class PlaybackClock:
     # (the consumer's onset report): without acks, playback runs 1x from there over the audio kept.
     trimmed_s: float = 0.0
     audible_sent_at: float | None = None
+    ack_trimmed_s: float = 0.0  # trimmed_s at the last report (an ack's position already counts silence dropped)
 
     def buffer_empty_at(self) -> float | None:
         """When the listener runs out of audio (None: playback has not started, nothing delivered)."""
@@ -43,9 +44,10 @@ class PlaybackClock:
             return start + self.delivered_s - self.trimmed_s
         if self.ack_state in ("buffering", "underrun"):
             return self.ack_at  # the listener is waiting right now
+        dropped_since = self.trimmed_s - self.ack_trimmed_s  # silence dropped after the report: never buffered
         if self.ack_buffered_s is not None:  # the player's own count, plus what was delivered since
-            return self.ack_at + self.ack_buffered_s + (self.delivered_s - self.ack_delivered_s)
-        return self.ack_at + max(0.0, self.delivered_s - self.ack_played_s)
+            return self.ack_at + self.ack_buffered_s + (self.delivered_s - self.ack_delivered_s) - dropped_since
+        return self.ack_at + max(0.0, self.delivered_s - self.ack_played_s - dropped_since)
 
 
 @dataclass

@@ -185,7 +185,7 @@ class Scheduler:
             clock = ctx.clock
             clock.ack_at, clock.ack_played_s, clock.ack_state = now, played_ms / 1000.0, state
             clock.ack_buffered_s = None if buffered_ms is None else buffered_ms / 1000.0
-            clock.ack_delivered_s = clock.delivered_s
+            clock.ack_delivered_s, clock.ack_trimmed_s = clock.delivered_s, clock.trimmed_s
 
     def mark_audible(self, cid: int, segment: int, trimmed_s: float, now: float) -> None:
         """The consumer's silence trimmer found the segment's audible onset, after dropping `trimmed_s` of its

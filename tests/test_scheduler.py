@@ -663,6 +663,13 @@ def test_the_playback_clock_starts_at_the_onset_and_never_counts_trimmed_silence
     assert clock.buffer_empty_at() == pytest.approx(10.24)
     clock.trimmed_s, clock.audible_sent_at = 0.15, 10.02  # 150 ms dropped; the first audible audio sent at 10.02
     assert clock.buffer_empty_at() == pytest.approx(10.02 + 0.24 - 0.15)
+    # With acks (positions on the engine's timeline, silence dropped so far counted as played): silence dropped
+    # after the last report is not in the listener's buffer either.
+    clock.ack_at, clock.ack_played_s, clock.ack_delivered_s, clock.ack_trimmed_s = 10.1, 0.2, 0.24, 0.15
+    clock.delivered_s, clock.trimmed_s = 0.40, 0.20  # 160 ms more sent since, 50 ms of it dropped
+    assert clock.buffer_empty_at() == pytest.approx(10.1 + 0.40 - 0.2 - 0.05)
+    clock.ack_buffered_s = 0.03
+    assert clock.buffer_empty_at() == pytest.approx(10.1 + 0.03 + 0.16 - 0.05)
 
 
 def test_an_onset_report_reaches_the_clock():
