@@ -261,6 +261,19 @@ def test_gpu_check_script_can_check_cp_forward_alone(tmp_path):
     assert rows and {r["kernel"] for r in rows} == {"cp_forward"}
 
 
+def test_gpu_check_script_can_check_graphs_against_eager_alone(tmp_path):
+    """--graphs-only: greedy codes with (emulated) graphs against eager at each batch size, in one model load."""
+    import json
+
+    from engine.tools.gpu_check_kernels import main
+
+    argv = [str(tmp_path), "--smoke", "--graphs-only", "--model", "random:tiny", "--batches", "1", "3", "--frames", "3"]
+    assert main(argv) == 0
+    record = json.loads((tmp_path / "gpu_check_kernels.json").read_text())
+    assert record["kernels_checked"] == [] and [r["ok"] for r in record["model_checks"]] == [True, True]
+    assert [r["check"].split(", ")[-1] for r in record["model_checks"]] == ["B1 x 3 frames", "B3 x 3 frames"]
+
+
 def test_programmatic_dependent_launch_is_off_by_default_and_refused_where_it_cannot_run(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv(kernels.PDL_ENV, raising=False)
