@@ -350,3 +350,21 @@ def test_newcomers_without_audio_go_before_newcomers_whose_first_chunks_were_sil
     # the second arrives while the first is still silent (its onset is 3 frames in): its own chain starts at
     # once after the step in flight, so its first audio is within two chains of its arrival (36.8 ms before)
     assert report.listeners[1].ttfa_s <= 2 * chain + 0.002, f"{report.listeners[1].ttfa_s * 1e3:.1f} ms"
+
+
+
+@pytest.mark.parametrize("reports_onset", [True, False])
+def test_the_player_acks_with_or_without_onset_reports(reports_onset):
+    """--no-onset changes what the server tells the scheduler, not the player: its acks reach the scheduler either
+    way, and only the onset report carries the dropped silence."""
+    sim = Simulation(three_steps(), H200, [one("a " * 20, silent=2)],
+                     SimOptions(ack_interval_s=0.05, reports_onset=reports_onset))
+    seen, audible = [], []
+    playback, mark = sim.scheduler.playback, sim.scheduler.mark_audible
+    sim.scheduler.playback = lambda *a: (seen.append(a), playback(*a))[1]
+    sim.scheduler.mark_audible = lambda *a: (audible.append(a), mark(*a))[1]
+    sim.run()
+    assert len(seen) > 5
+    assert len(audible) == (1 if reports_onset else 0)
+    if reports_onset:
+        assert audible[0][2] == pytest.approx(2 * 0.08)  # two silent frames dropped

@@ -201,10 +201,10 @@ class Simulation:
             if isinstance(e, AudioChunk):
                 was_playing = x.first_audible_at is not None
                 x.packet(now, e, x.arrival.silent_frames)
-                if self.options.reports_onset and not was_playing and x.first_audible_at is not None:
-                    # the server's trimmer reports the onset (its executor hop is not modelled)
-                    self.scheduler.mark_audible(e.cid, e.segment, x.dropped_s if e.segment == 0 else 0.0, now)
-                    if self.options.ack_interval_s > 0:
+                if not was_playing and x.first_audible_at is not None:
+                    if self.options.reports_onset:  # the server's trimmer (its executor hop is not modelled)
+                        self.scheduler.mark_audible(e.cid, e.segment, x.dropped_s if e.segment == 0 else 0.0, now)
+                    if self.options.ack_interval_s > 0:  # the player acks from its first audible audio either way
                         self.events.at(now + self.options.ack_interval_s, lambda ta, x=x: self._ack(x, ta))
             elif isinstance(e, ContextDone):
                 x.done_at = now
