@@ -331,3 +331,100 @@ def test_ring_attention_triton_half_close_to_torch_path():
         got = ring_attention(q, new_kv, ring, slots, pos, 6, 8**-0.5)
     assert got.dtype == dtype
     assert (got.float() - ref).abs().max().item() < (0.03 if dtype == torch.bfloat16 else 0.005)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_conv_window_launch_configs_give_identical_windows(channels_last):
+    """Tile shape and warps change only how the work is cut: every config writes the same bits as the default."""
+    gen = torch.Generator().manual_seed(11)
+    B, C, T, H = 2, 24, 50, 6
+    y, res = _activation(B, C, T, channels_last, gen), _activation(B, C, T, channels_last, gen)
+    tail_in = _activation(B, C, H, channels_last, gen)
+    freq, inv = constants(C, gen)
+    outs = []
+    default = sk.window_config(C, H + T, channels_last, torch.float32)
+    configs = [None, sk.WindowConfig(8, 16), sk.WindowConfig(32, 4, num_warps=8), sk.WindowConfig(1, 64, 2)]
+    for cfg in configs:
+        win, tail_out = _activation(B, C, H + T, channels_last, gen), _activation(B, C, H, channels_last, gen)
+        sk.conv_window_triton(y, win, res=res, freq=freq, inv_mag=inv, tail_in=tail_in, tail_out=tail_out,
+                              config=cfg)
+        outs.append((win, tail_out))
+    assert default not in configs[1:]  # the others really are different launches
+    for win, tail_out in outs[1:]:
+        assert torch.equal(win, outs[0][0]) and torch.equal(tail_out, outs[0][1])
+
+
+def test_sin_poly_accuracy_and_nan():
+    """FAST_SIN's SnakeBeta against float64 over the range activations take (and far past it), and the
+    non-finite inputs: nan in, nan out, as sinf. One channel with freq 1 and inv_mag 1: the window holds x +
+    sin(x)^2."""
+    xs = torch.cat([torch.linspace(-2000, 2000, 20001), torch.linspace(-4, 4, 4001),
+                    torch.tensor([0.0, 1e-30, -1e-30, 3.14159265, 1.5707963])])
+    x = xs.reshape(1, 1, -1).to(DEVICE)
+    one = torch.ones(1, device=DEVICE)
+    win = torch.empty_like(x)
+    sk.conv_window_triton(x, win, freq=one, inv_mag=one, config=sk.WindowConfig(1, 1024, fast_sin=True))
+    exact = xs.double() + torch.sin(xs.double()) ** 2
+    err = (win.cpu().double() - exact).abs()
+    ulp = torch.finfo(torch.float32).eps * exact.abs().clamp(min=1.0)  # the store's own rounding
+    assert torch.all(err <= ulp + 4e-7), err.max()
+    bad = torch.tensor([[[float("nan"), float("inf"), -float("inf")]]], device=DEVICE)
+    out = torch.empty_like(bad)
+    sk.conv_window_triton(bad, out, freq=one, inv_mag=one, config=sk.WindowConfig(1, 16, fast_sin=True))
+    assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_window_fast_sin_against_torch_path(dtype):
+    """The whole window with FAST_SIN (bias, residual, SnakeBeta, tails) against the kernel with libdevice's sine
+    and, in fp32, against the PyTorch path: fp32 within 2e-6, bf16 at most one step of bf16 (both round once; the
+    two sines may put a value on neighbouring bf16 numbers). The PyTorch path rounds bf16 after every op."""
+    gen = torch.Generator().manual_seed(5)
+    B, C, T, H = 2, 16, 40, 6
+    y, res = _activation(B, C, T, True, gen, dtype), _activation(B, C, T, True, gen, dtype)
+    tail_in = _activation(B, C, H, True, gen, dtype)
+    freq, inv = constants(C, gen)
+    bias = torch.randn(C, generator=gen).to(DEVICE)
+    outs = []
+    runs = [(sk.conv_window_triton, {"config": sk.WindowConfig(16, 8)}),
+            (sk.conv_window_triton, {"config": sk.WindowConfig(16, 8, fast_sin=True)})]
+    if dtype == torch.float32:
+        runs.append((sk.conv_window_torch, {}))
+    for fn, kw in runs:
+        win = _activation(B, C, H + T, True, gen, dtype)
+        fn(y, win, bias=bias, res=res, freq=freq.to(dtype), inv_mag=inv.to(dtype), tail_in=tail_in, **kw)
+        outs.append(win.float())
+    step = 2.0 ** -7 if dtype == torch.bfloat16 else 2e-6  # bf16's spacing at 1..2, relative below
+    for other in outs[:1] + outs[2:]:
+        diff = (other - outs[1]).abs()
+        assert torch.all(diff <= step * other.abs().clamp(min=1.0)), diff.max()
+    if dtype == torch.bfloat16:
+        assert (outs[0] != outs[1]).float().mean() < 0.02  # neighbours only now and then
+
+
+def test_conv_window_refuses_rows_past_int32_offsets():
+    class Huge:  # a row of 2^31 elements: only its shape and strides are read before the refusal
+        shape, dtype = (1, 2, 2**30 + 1), torch.float32
+
+        def stride(self):
+            return (2 * (2**30 + 1), 2**30 + 1, 1)
+
+    assert sk._row_offsets_fit(torch.zeros(2, 3, 4))
+    assert not sk._row_offsets_fit(Huge())
+
+
+def test_window_tuner_smoke_checks_every_call_of_a_codec_step(tmp_path):
+    """The tuner records a real codec step's window calls (every one the decoder makes: a kernel path taken without
+    the window would leave the count short) and checks each candidate on each of them against the default."""
+    import json
+
+    from engine.tools.tune_conv_window import main
+
+    assert main([str(tmp_path), "--smoke", "--batch", "2", "--frames", "2"]) == 0
+    report = json.loads((tmp_path / "conv_window_tune.json").read_text())
+    snakes = sum(r["snake"] for r in report["rows"])
+    assert report["calls"] == len(report["rows"]) == 34 and snakes == 29  # the decoder's 29 SnakeBeta instances
+    assert all(c["ok"] for r in report["rows"] for c in r["configs"])
+    fast = [c for r in report["rows"] if r["snake"] for c in r["configs"] if c["config"]["fast_sin"]]
+    assert fast and not all(c["identical"] for c in fast)  # the polynomial sine really ran (fp32 in --smoke)
+    assert all(c["identical"] for r in report["rows"] if not r["snake"] for c in r["configs"])

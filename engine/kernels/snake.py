@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -67,10 +68,11 @@ def _kernel():
                            ti_sb, ti_sc, ti_st, to_sb, to_sc, to_st,
                            HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, STORE_X: tl.constexpr,
                            SNAKE: tl.constexpr, CLAMP: tl.constexpr, HAS_TIN: tl.constexpr,
-                           HAS_TOUT: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_C: tl.constexpr,
-                           BLOCK_T: tl.constexpr):
+                           HAS_TOUT: tl.constexpr, HAS_VALID: tl.constexpr, FAST_SIN: tl.constexpr,
+                           BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
         # One tile: BLOCK_C channels x BLOCK_T window positions tau (tau < H: history, tau >= H: new sample
-        # tau - H) of one batch row.
+        # tau - H) of one batch row. The row's base is a scalar int64 offset; inside a row the offsets are int32
+        # (the wrapper checks that they fit): 64-bit vector index math made this elementwise kernel issue-bound.
         b = tl.program_id(2).to(tl.int64)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
         tau = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
@@ -78,36 +80,54 @@ def _kernel():
         in_win = in_c & (tau < H + T)
         new = in_win & (tau >= H)
         t = tau - H
-        v = tl.load(y_ptr + b * y_sb + c * y_sc + t * y_st, mask=new, other=0.0).to(tl.float32)
+        v = tl.load(y_ptr + b * y_sb + (c * y_sc + t * y_st), mask=new, other=0.0).to(tl.float32)
         if HAS_BIAS:
             v += tl.load(bias_ptr + c, mask=in_c, other=0.0).to(tl.float32)
         if HAS_RES:
-            v += tl.load(res_ptr + b * r_sb + c * r_sc + t * r_st, mask=new, other=0.0).to(tl.float32)
+            v += tl.load(res_ptr + b * r_sb + (c * r_sc + t * r_st), mask=new, other=0.0).to(tl.float32)
         v = v.to(win_ptr.dtype.element_ty).to(tl.float32)  # rounded as a stored sum would be
         if STORE_X:
-            tl.store(x_ptr + b * x_sb + c * x_sc + t * x_st, v.to(x_ptr.dtype.element_ty), mask=new)
+            tl.store(x_ptr + b * x_sb + (c * x_sc + t * x_st), v.to(x_ptr.dtype.element_ty), mask=new)
         if SNAKE:
             freq = tl.load(freq_ptr + c, mask=in_c, other=0.0).to(tl.float32)
             inv = tl.load(inv_ptr + c, mask=in_c, other=0.0).to(tl.float32)
-            s = tl.sin(v * freq)
+            x = v * freq
+            if FAST_SIN:
+                # sin(x) by range reduction to r = x - k*pi in [-pi/2, pi/2] (pi in three parts, Cody-Waite) and an
+                # odd polynomial fitted to sin(r)/r: about 11 instructions, where libdevice's sinf takes about 30
+                # with its quadrant logic and its slow path for huge arguments. Its sign is (-1)^k sin(x), which
+                # the square takes away. The square's max abs error is 3.4e-7 for |x| <= 2000 (the fp32
+                # reduction; bf16's step at 1 is 2^-8). inf or nan in: nan out, as sinf.
+                k = tl.floor(x * 0.3183098861837907 + 0.5)
+                r = x - k * 3.140625
+                r = r - k * 9.670257568359375e-4
+                r = r - k * 6.27832957178498e-7
+                u = r * r
+                p = 2.60515895e-06 * u - 1.98090432e-04
+                p = p * u + 8.33305058e-03
+                p = p * u - 1.66666580e-01
+                p = p * u + 9.99999996e-01
+                s = r * p
+            else:
+                s = tl.sin(x)
             v = v + inv * (s * s)
         if CLAMP:
             v = tl.minimum(tl.maximum(v, -1.0), 1.0)
         if HAS_TIN:
-            old = tl.load(tin_ptr + b * ti_sb + c * ti_sc + tau * ti_st, mask=in_win & (tau < H),
+            old = tl.load(tin_ptr + b * ti_sb + (c * ti_sc + tau * ti_st), mask=in_win & (tau < H),
                           other=0.0).to(tl.float32)
             v = tl.where(tau < H, old, v)
         else:
             v = tl.where(tau < H, 0.0, v)
         a = v.to(win_ptr.dtype.element_ty)
-        tl.store(win_ptr + b * w_sb + c * w_sc + tau * w_st, a, mask=in_win)
+        tl.store(win_ptr + b * w_sb + (c * w_sc + tau * w_st), a, mask=in_win)
         if HAS_TOUT:
             if HAS_VALID:  # this row's samples end at n: its new history is win[n : n + H]
                 n = tl.load(valid_ptr + b).to(tl.int32) * factor
-                tl.store(tout_ptr + b * to_sb + c * to_sc + (tau - n) * to_st, a,
+                tl.store(tout_ptr + b * to_sb + (c * to_sc + (tau - n) * to_st), a,
                          mask=in_win & (tau >= n) & (tau < n + H))
             else:
-                tl.store(tout_ptr + b * to_sb + c * to_sc + (tau - T) * to_st, a, mask=in_win & (tau >= T))
+                tl.store(tout_ptr + b * to_sb + (c * to_sc + (tau - T) * to_st), a, mask=in_win & (tau >= T))
 
     return conv_window_kernel
 
@@ -132,23 +152,45 @@ def _check_window(y: Tensor, win: Tensor, bias, res, freq, inv_mag, x_out, tail_
     return H
 
 
+@dataclass(frozen=True)
+class WindowConfig:
+    """How conv_window_kernel is launched: its tile, its warps, and which sine it computes."""
+
+    block_c: int
+    block_t: int
+    num_warps: int = 4
+    fast_sin: bool = False  # sin_poly instead of libdevice's sinf (see the kernel)
+
+
+def window_config(C: int, width: int, channels_last: bool, dtype: torch.dtype) -> WindowConfig:
+    """The launch the engine uses for a [B, C, width] window (width = H + T)."""
+    if channels_last and C > 1:  # tiles along the channels
+        block_c = min(_pow2(C), 128)
+        return WindowConfig(block_c, max(1, min(_pow2(width), 2048 // block_c)))
+    block_t = min(1024, max(16, _pow2(width)))
+    return WindowConfig(max(1, min(_pow2(C), 2048 // block_t)), block_t)
+
+
+def _row_offsets_fit(t: Tensor | None) -> bool:
+    """The kernel's offsets inside one batch row are int32."""
+    return t is None or sum((n - 1) * abs(st) for n, st in zip(t.shape[1:], t.stride()[1:], strict=True)) < 2**31
+
+
 def conv_window_triton(y: Tensor, win: Tensor, *, bias: Tensor | None = None, res: Tensor | None = None,
                        freq: Tensor | None = None, inv_mag: Tensor | None = None, x_out: Tensor | None = None,
                        tail_in: Tensor | None = None, tail_out: Tensor | None = None, clamp: bool = False,
-                       tail_valid: Tensor | None = None, tail_factor: int = 1) -> Tensor:
+                       tail_valid: Tensor | None = None, tail_factor: int = 1,
+                       config: WindowConfig | None = None) -> Tensor:
     """See the module docstring: y, res, x_out [B, C, T]; win [B, C, H + T]; tail_in, tail_out [B, C, H];
     bias, freq, inv_mag [C]; tail_valid [B] int64 (each row's valid inputs, in units of tail_factor samples;
-    None: all T). Any strides. Returns win."""
+    None: all T). Any strides. config: the launch (None: window_config's). Returns win."""
     H = _check_window(y, win, bias, res, freq, inv_mag, x_out, tail_in, tail_out, tail_valid)
     B, C, T = y.shape
     if B * C * (H + T) == 0:
         return win
-    if win.stride(1) == 1 and C > 1:  # channels last: tiles along the channels
-        block_c = min(_pow2(C), 128)
-        block_t = max(1, min(_pow2(H + T), 2048 // block_c))
-    else:
-        block_t = min(1024, max(16, _pow2(H + T)))
-        block_c = max(1, min(_pow2(C), 2048 // block_t))
+    if not all(_row_offsets_fit(t) for t in (y, win, res, x_out, tail_in, tail_out)):
+        raise ValueError(f"conv_window: a batch row of {C} x {H + T} is too large for the kernel's int32 offsets")
+    cfg = config or window_config(C, H + T, win.stride(1) == 1, win.dtype)
     dummy = y
 
     def strides(t: Tensor | None) -> tuple[int, int, int]:
@@ -157,7 +199,7 @@ def conv_window_triton(y: Tensor, win: Tensor, *, bias: Tensor | None = None, re
     freq = freq.contiguous() if freq is not None else None
     inv_mag = inv_mag.contiguous() if inv_mag is not None else None
     bias = bias.contiguous() if bias is not None else None
-    grid = (-(-(H + T) // block_t), -(-C // block_c), B)
+    grid = (-(-(H + T) // cfg.block_t), -(-C // cfg.block_c), B)
     _kernel()[grid](
         y, dummy if bias is None else bias, dummy if res is None else res, dummy if x_out is None else x_out,
         dummy if freq is None else freq, dummy if inv_mag is None else inv_mag, win,
@@ -166,7 +208,7 @@ def conv_window_triton(y: Tensor, win: Tensor, *, bias: Tensor | None = None, re
         *y.stride(), *strides(res), *strides(x_out), *win.stride(), *strides(tail_in), *strides(tail_out),
         HAS_BIAS=bias is not None, HAS_RES=res is not None, STORE_X=x_out is not None, SNAKE=freq is not None,
         CLAMP=clamp, HAS_TIN=tail_in is not None, HAS_TOUT=tail_out is not None, HAS_VALID=tail_valid is not None,
-        BLOCK_C=block_c, BLOCK_T=block_t)
+        FAST_SIN=cfg.fast_sin, BLOCK_C=cfg.block_c, BLOCK_T=cfg.block_t, num_warps=cfg.num_warps)
     return win
 
 
