@@ -428,3 +428,14 @@ def test_window_tuner_smoke_checks_every_call_of_a_codec_step(tmp_path):
     fast = [c for r in report["rows"] if r["snake"] for c in r["configs"] if c["config"]["fast_sin"]]
     assert fast and not all(c["identical"] for c in fast)  # the polynomial sine really ran (fp32 in --smoke)
     assert all(c["identical"] for r in report["rows"] if not r["snake"] for c in r["configs"])
+
+
+def test_window_config_follows_the_tuning():
+    """The tuned launch (docs/PERFORMANCE.md): the polynomial sine below fp32 only, 128 x 64 tiles of 8 warps for
+    long channels-last windows, the old tiles elsewhere."""
+    long_bf16 = sk.window_config(384, 1920, True, torch.bfloat16)
+    assert long_bf16 == sk.WindowConfig(128, 64, num_warps=8, fast_sin=True)
+    assert sk.window_config(384, 1920, True, torch.float32) == sk.WindowConfig(128, 64, num_warps=8, fast_sin=False)
+    assert sk.window_config(512, 14, True, torch.bfloat16) == sk.WindowConfig(128, 16, fast_sin=True)
+    assert sk.window_config(1, 23040, True, torch.bfloat16) == sk.WindowConfig(1, 1024, fast_sin=True)
+    assert sk.window_config(24, 1920, False, torch.float32) == sk.WindowConfig(2, 1024)

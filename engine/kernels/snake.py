@@ -152,6 +152,9 @@ def _check_window(y: Tensor, win: Tensor, bias, res, freq, inv_mag, x_out, tail_
     return H
 
 
+_LONG_WINDOW = 256  # from here on a window's time axis fills 128 x 64 tiles (the tuner's 384-sample windows and up)
+
+
 @dataclass(frozen=True)
 class WindowConfig:
     """How conv_window_kernel is launched: its tile, its warps, and which sine it computes."""
@@ -163,12 +166,20 @@ class WindowConfig:
 
 
 def window_config(C: int, width: int, channels_last: bool, dtype: torch.dtype) -> WindowConfig:
-    """The launch the engine uses for a [B, C, width] window (width = H + T)."""
+    """The launch the engine uses for a [B, C, width] window (width = H + T).
+
+    From engine.tools.tune_conv_window on the H200 (docs/PERFORMANCE.md, a 64 x 12-frame 1.7B codec step):
+    the polynomial sine and 128 x 64 tiles of 8 warps for the long channels-last windows took the step's window
+    calls from 6.63 to 5.31 ms. The polynomial is within one bf16 step of sinf, so it is used below fp32 only;
+    fp32 keeps libdevice's sine, which parity with the reference is measured against."""
+    fast_sin = dtype != torch.float32
     if channels_last and C > 1:  # tiles along the channels
         block_c = min(_pow2(C), 128)
-        return WindowConfig(block_c, max(1, min(_pow2(width), 2048 // block_c)))
+        if block_c == 128 and width >= _LONG_WINDOW:
+            return WindowConfig(128, 64, num_warps=8, fast_sin=fast_sin)
+        return WindowConfig(block_c, max(1, min(_pow2(width), 2048 // block_c)), fast_sin=fast_sin)
     block_t = min(1024, max(16, _pow2(width)))
-    return WindowConfig(max(1, min(_pow2(C), 2048 // block_t)), block_t)
+    return WindowConfig(max(1, min(_pow2(C), 2048 // block_t)), block_t, fast_sin=fast_sin)
 
 
 def _row_offsets_fit(t: Tensor | None) -> bool:
