@@ -272,6 +272,29 @@ def test_gpu_check_script_can_check_graphs_against_eager_alone(tmp_path):
     record = json.loads((tmp_path / "gpu_check_kernels.json").read_text())
     assert record["kernels_checked"] == [] and [r["ok"] for r in record["model_checks"]] == [True, True]
     assert [r["check"].split(", ")[-1] for r in record["model_checks"]] == ["B1 x 3 frames", "B3 x 3 frames"]
+    assert [r["first_divergent_frame"] for r in record["model_checks"]] == [None, None]
+
+
+def test_graphs_check_can_tell_nondeterminism_from_a_systematic_difference(tmp_path):
+    """--repeat-check runs each mode twice and reports whether it repeats itself; first_divergent_frame points at
+    the first frame where any row differs."""
+    import json
+
+    from engine.tools.gpu_check_kernels import first_divergent_frame, main
+
+    a = torch.zeros(2, 5, 16, dtype=torch.int64)
+    b = a.clone()
+    assert first_divergent_frame(a, b) is None
+    b[1, 3, 15] = 7
+    b[0, 4, 0] = 1
+    assert first_divergent_frame(a, b) == 3
+    argv = [str(tmp_path), "--smoke", "--graphs-only", "--repeat-check", "--model", "random:tiny", "--batches", "2",
+            "--frames", "3"]
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "gpu_check_kernels.json").read_text())["model_checks"]
+    assert [r["check"].split(",")[1].strip() for r in rows] == ["graphs emulate vs eager", "graphs off run twice",
+                                                                 "graphs emulate run twice"]
+    assert all(r["agreement"] == 1.0 and r["first_divergent_frame"] is None for r in rows)
 
 
 def test_programmatic_dependent_launch_is_off_by_default_and_refused_where_it_cannot_run(monkeypatch):

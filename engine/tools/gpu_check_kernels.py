@@ -348,7 +348,27 @@ def graphs_vs_eager(loaded, batch: int, frames: int) -> tuple[dict, torch.Tensor
     graphed = greedy_codes(loaded, batch, frames, graphs)
     return ({"check": f"{loaded.dtype} greedy codes, graphs {graphs} vs eager, B{batch} x {frames} frames",
              "agreement": float((eager == graphed).float().mean()), "ok": bool(torch.equal(eager, graphed)),
+             "first_divergent_frame": first_divergent_frame(eager, graphed),
              "seconds": round(time.monotonic() - t0, 1)}, eager, graphed)
+
+
+def first_divergent_frame(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """codes [B, frames, 16] twice -> the first frame where any row differs (None: identical)."""
+    differs = (a != b).flatten(2).any(dim=2).any(dim=0).nonzero()
+    return int(differs[0]) if len(differs) else None
+
+
+def repeatability(loaded, batch: int, frames: int, eager: torch.Tensor, graphed: torch.Tensor) -> list[dict]:
+    """Each mode run a second time in a fresh runner: tells a systematic difference between graphs and eager from
+    run-to-run nondeterminism (reported; the check above is the one that must hold)."""
+    graphs = "on" if DEVICE == "cuda" else "emulate"
+    rows = []
+    for mode, first in (("off", eager), (graphs, graphed)):
+        again = greedy_codes(loaded, batch, frames, mode)
+        rows.append({"check": f"{loaded.dtype} greedy codes, graphs {mode} run twice, B{batch} x {frames} frames "
+                     "(reported)", "agreement": float((again == first).float().mean()),
+                     "first_divergent_frame": first_divergent_frame(first, again), "ok": True})
+    return rows
 
 
 def whole_model(bf16, model: str, frames: int, batches: list[int]) -> list[dict]:
@@ -404,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graphs-only", action="store_true", help="only greedy codes with graphs against eager, in the "
                     "model's dtype, at each --batches size: the runner's check after a change to its graphs, in "
                     "one model load")
+    ap.add_argument("--repeat-check", action="store_true", help="with --graphs-only: run eager and graphs a second "
+                    "time each and report whether each repeats itself (a difference that is nondeterminism, or not)")
     ap.add_argument("--smoke", action="store_true", help="tests: tiny sizes on the CPU (TRITON_INTERPRET=1)")
     a = ap.parse_args(argv)
     global DEVICE
@@ -440,7 +462,12 @@ def check(a: argparse.Namespace, sizes: Sizes) -> int:
     time_it = not a.no_time and DEVICE == "cuda"
     if a.graphs_only:
         record["kernels_checked"] = []
-        record["model_checks"] = [graphs_vs_eager(loaded, b, a.frames)[0] for b in a.batches]
+        record["model_checks"] = []
+        for b in a.batches:
+            row, eager, graphed = graphs_vs_eager(loaded, b, a.frames)
+            record["model_checks"].append(row)
+            if a.repeat_check:
+                record["model_checks"] += repeatability(loaded, b, a.frames, eager, graphed)
     else:
         record["kernels_checked"] = ([] if a.cp_forward_only else kernel_checks(loaded.config, sizes, time_it)) \
             + cp_forward_checks(loaded, sizes, time_it)
