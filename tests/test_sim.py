@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Pinned here, not read from docs/benchmarks/: a new H200 profile there must not silently move these bounds.
 H200_PROFILE = ROOT / "tests/data/h200_stages.json"
 H200 = StageProfile.from_json(H200_PROFILE)
+PINNED_SOURCE = ROOT / "docs/benchmarks/h200/stages_1p7b_after.json"  # what H200_PROFILE was cut from
 HOST = 0.0003
 
 
@@ -44,19 +45,28 @@ def test_profile_reads_measured_rows_and_interpolates_between_them():
     assert H200.step_s(Stage.CODEC, 8, 4) == pytest.approx(c1 + (c12 - c1) * 3 / 11)
     # the 64-token prefill rows (eager in that run) are not used unless asked for
     assert H200.step_s(Stage.PREFILL, 1) == pytest.approx(measured[("prefill", 1, 0)])
-    long = StageProfile.from_json(DEFAULT_PROFILE, prompt_len=64)
+    long = StageProfile.from_json(PINNED_SOURCE, prompt_len=64)
     assert long.step_s(Stage.PREFILL, 1) > 0.05
 
 
 def test_pinned_profile_is_the_measured_h200_profile_and_as_asymmetric():
     """The test profile is docs/benchmarks/h200/stages_1p7b_after.json's graph rows, and it keeps the asymmetry
     the policy tests depend on: the Code Predictor is the long per-frame stage, the codec spans a 15x range."""
-    assert StageProfile.from_json(DEFAULT_PROFILE).tables == H200.tables
+    assert StageProfile.from_json(PINNED_SOURCE).tables == H200.tables
     assert 0.005 < ms(Stage.PREFILL, 1) < ms(Stage.PREFILL, 8) < 0.009
     assert 0.006 < ms(Stage.TALKER, 1) < ms(Stage.TALKER, 64) < 0.0115
     assert 0.0145 < ms(Stage.CODE_PREDICTOR, 1) < 0.016 and 0.0145 < ms(Stage.CODE_PREDICTOR, 64) < 0.016
     assert ms(Stage.CODEC, 1, 1) == pytest.approx(0.0036, abs=1e-4)
     assert ms(Stage.CODEC, 64, 12) == pytest.approx(0.056, abs=1e-3)
+
+
+def test_the_cli_default_profile_has_every_stage_the_simulator_reads_measured():
+    """The default (what `simulate` predicts from when not told) holds measured FIRST_AUDIO rows and 1-position
+    prefills after a cached prefix, so it prices neither from a stand-in."""
+    default = StageProfile.from_json(DEFAULT_PROFILE)
+    assert set(default.tables) == set(Stage)
+    assert 1 in default.tables[Stage.PREFILL]
+    assert default.tables[Stage.FIRST_AUDIO][0][0][0] == 1
 
 
 def one(text="Hello there, my friend.", at=0.0, mode="whole", silent=0, index=0):

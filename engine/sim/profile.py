@@ -27,7 +27,10 @@ from pathlib import Path
 
 from engine.types import Stage
 
-DEFAULT_PROFILE = Path(__file__).resolve().parents[2] / "docs/benchmarks/h200/stages_1p7b_after.json"
+# The newest H200 profile with every stage the simulator reads (FIRST_AUDIO steps and 1-position prefills included):
+# a prediction from an older profile is a prediction for an older engine (stages_1p7b_after.json said 115 ms p95 at
+# 10 RPS where 78cded6's says 11.8 and the H200 measured 12.6).
+DEFAULT_PROFILE = Path(__file__).resolve().parents[2] / "docs/benchmarks/h200/stages_1p7b_78cded6.json"
 
 
 class ProfileError(ValueError):
