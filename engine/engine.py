@@ -7,6 +7,7 @@ loop thread. Events come back through one asyncio queue per context, in order, e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -186,6 +187,11 @@ class Engine:
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Nothing to do in this process: each context hands its events to the loop that opened it."""
+
+    def coalesced(self) -> contextlib.AbstractContextManager:
+        """Nothing to gather in this process: every call reaches the scheduler at once (engine/remote.py's sends
+        one write for what is inside)."""
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ contexts
     def open_context(self, spec: ContextSpec) -> EngineContext:

@@ -17,15 +17,17 @@ of a core; the pipe also orders audio with the other events and tells each side 
 Segment numbers come back without a round trip (EngineContext numbers them as the scheduler does), and so do
 context ids: the server names each context with a ticket of its own, which the engine process maps to its engine
 context id. Admission is a call (`open_context`: the answer is yes or a typed error) or, for a caller that can take
-a refusal as the context's first event, one way (`open_context_pipelined`: the open, the text and the close leave
-together and a refusal comes back as ContextDone("refused"); the HTTP door, whose status waits for the first audio
-anyway). The introspection calls wait for a reply. If the engine process dies, every open context ends with an
-`internal` error and `running()` turns False (/health answers 503).
+a refusal as the context's first event, one way (`open_context_pipelined`: a refusal comes back as
+ContextDone("refused"); the HTTP door, whose status waits for the first audio anyway). Inside `coalesced()` the
+commands leave as one write, so a request's open, text and close wake the engine process once and its first text
+arrives there with its open, not a write later. The introspection calls wait for a reply. If the engine process
+dies, every open context ends with an `internal` error and `running()` turns False (/health answers 503).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -152,6 +154,7 @@ class RemoteEngine:
         self._lost: str | None = None  # why the engine can no longer serve
         self._readiness = hello.readiness  # the last answer, kept for when the process is gone
         self._stats: EngineStats | None = None
+        self._held: list[tuple] | None = None  # commands inside coalesced(), written when it ends
 
     @classmethod
     def spawn(cls, build: Callable[..., Engine], *args: Any, start_timeout_s: float = START_TIMEOUT_S) -> RemoteEngine:
@@ -247,9 +250,30 @@ class RemoteEngine:
     def inject_fault(self, cid: int, kind: str, at_frame: int) -> None:
         self._send(("fault", cid, kind, at_frame))
 
+    @contextlib.contextmanager
+    def coalesced(self):
+        """The one-way commands sent inside (opens, text, closes) leave together when it ends: one write, one wake-up
+        of the engine process. On the event loop's thread, as every command is."""
+        if self._held is not None:  # nested: the outer one writes
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            self._flush_held()
+
+    def _flush_held(self) -> None:
+        held, self._held = self._held, None
+        if held:
+            self._send(held[0] if len(held) == 1 else ("batch", held))
+
     def _send(self, message: tuple) -> None:
         """One way. A dead engine process raises nothing here: its contexts end with an error from the reader."""
         if self._lost is not None:
+            return
+        if self._held is not None:
+            self._held.append(message)
             return
         try:
             self._commands.send(message)
@@ -305,6 +329,9 @@ class RemoteEngine:
     def _call(self, name: str, *args):
         if self._lost is not None:
             raise EngineProcessError(f"the engine has stopped ({self._lost}); restart the server")
+        if self._held is not None:  # a call inside coalesced(): what was sent before it goes first
+            self._flush_held()
+            self._held = []
         with self._call_lock:
             try:
                 self._commands.send(("call", name, args))
@@ -448,25 +475,29 @@ class _EngineServer:
             except (EOFError, OSError):
                 log.info("engine process: the server has gone; stopping")
                 break
-            kind = message[0]
-            if kind == "stop":
+            if message[0] == "stop":
                 break
-            try:
-                if kind == "op":
-                    cid = self._cid_of.get(message[2])
-                    if cid is not None:  # else refused, or already ended: nothing to do
-                        engine.submit(message[1], cid, *message[3])
-                elif kind == "open":
-                    self._open(message[1], message[2])
-                elif kind == "fault":
-                    cid = self._cid_of.get(message[1])
-                    if cid is not None:
-                        engine.inject_fault(cid, *message[2:])
-                elif kind == "call":
-                    self.replies.send(self._answer(message[1], message[2]))
-            except Exception:  # noqa: BLE001 - one bad command never stops the others
-                log.exception("engine process: command %s failed", kind)
+            for command in message[1] if message[0] == "batch" else (message,):
+                self._handle(command)
         engine.stop()
+
+    def _handle(self, message: tuple) -> None:
+        engine, kind = self.engine, message[0]
+        try:
+            if kind == "op":
+                cid = self._cid_of.get(message[2])
+                if cid is not None:  # else refused, or already ended: nothing to do
+                    engine.submit(message[1], cid, *message[3])
+            elif kind == "open":
+                self._open(message[1], message[2])
+            elif kind == "fault":
+                cid = self._cid_of.get(message[1])
+                if cid is not None:
+                    engine.inject_fault(cid, *message[2:])
+            elif kind == "call":
+                self.replies.send(self._answer(message[1], message[2]))
+        except Exception:  # noqa: BLE001 - one bad command never stops the others
+            log.exception("engine process: command %s failed", kind)
 
     def _answer(self, name: str, args: tuple) -> tuple[bool, Any]:
         engine = self.engine

@@ -3,6 +3,8 @@ no context may reach it."""
 
 from __future__ import annotations
 
+import contextlib
+
 from engine import FastPath, ModelInfo, Readiness, SamplingParams, VoiceInfo
 
 
@@ -30,6 +32,9 @@ class FakeEngine:
         raise AssertionError("this test's requests must be answered before the engine")
 
     open_context_pipelined = open_context
+
+    def coalesced(self):
+        return contextlib.nullcontext()
 
     def stop(self) -> None:
         pass

@@ -160,6 +160,57 @@ def test_a_pipelined_open_speaks_as_a_called_one_and_a_refusal_is_its_first_even
         one_slot.stop()
 
 
+class CountingPipe:
+    """The commands pipe's send, counted (each send is one write)."""
+
+    def __init__(self, pipe):
+        self.pipe, self.sent = pipe, []
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+        self.pipe.send(message)
+
+
+def test_coalesced_commands_leave_in_one_write_and_speak_as_sent_one_by_one(remote):
+    """Inside coalesced(), a pipelined open, its text and its close are one write; the codes are those of the same
+    commands sent one by one; a call inside it sends what came before first (its answer needs them), and a refused
+    open in the batch does not stop the commands after it."""
+    real, counting = remote._commands, CountingPipe(remote._commands)
+
+    async def main(engine):
+        separate = engine.open_context_pipelined(spec())
+        separate.append_text(TEXT)
+        separate.close()
+        writes_before = len(counting.sent)
+        with engine.coalesced():
+            refused = engine.open_context_pipelined(spec(voice="nobody"))
+            refused.append_text(TEXT)
+            together = engine.open_context_pipelined(spec())
+            together.append_text(TEXT)
+            together.close()
+            assert len(counting.sent) == writes_before  # nothing left yet
+        one_write = counting.sent[writes_before:]
+        with engine.coalesced():
+            held = engine.open_context_pipelined(spec())
+            called = engine.open_context(spec())  # a call: the held open leaves first, then the call
+            for ctx in (held, called):
+                ctx.append_text(TEXT)
+                ctx.close()
+        return [await within(ctx) for ctx in (separate, refused, together, held, called)], one_write
+
+    remote._commands = counting
+    try:
+        (separate, refused, together, held, called), one_write = asyncio.run(main(remote))
+    finally:
+        remote._commands = real
+    assert len(one_write) == 1 and one_write[0][0] == "batch"
+    assert [m[0] for m in one_write[0][1]] == ["open", "op", "open", "op", "op"]
+    assert [ev.reason for ev in refused] == ["refused"]
+    assert len(codes_of(together)) == GREEDY.max_frames
+    for ctx_events in (together, held, called):
+        np.testing.assert_array_equal(codes_of(ctx_events), codes_of(separate))
+
+
 def test_a_fault_stays_in_its_context(remote):
     async def main():
         broken = remote.open_context(spec())

@@ -185,13 +185,15 @@ async def speech(request: Request) -> Response:
         except RuntimeError as exc:
             raise ProtocolError("unsupported_format", str(exc), "response_format") from None
         fault = obj.get("test_fault") if rt.config.test_hooks else None
-        # pipelined: the engine in its own process takes the open, the text and the close in one go; a refusal is
-        # then the stream's first event, answered with the same status (the response starts with the first audio)
-        stream = ContextStream.open(rt.engine, req.options, instructions,
-                                    AudioStream(file.output, segment_flush=False), rt.executor, pipelined=True)
-        if isinstance(fault, dict) and fault.get("kind") in ("exception", "nan"):  # test hook
-            stream.ectx.inject_fault(fault["kind"], int(fault.get("at_frame") or 0))
-        stream.add_segments(segments)  # EngineError, e.g. whole-layout text longer than the prompt may be
+        # pipelined and coalesced: the engine in its own process takes the open, the text and the close in one
+        # write; a refusal is then the stream's first event, answered with the same status (the response starts with
+        # the first audio)
+        with rt.engine.coalesced():
+            stream = ContextStream.open(rt.engine, req.options, instructions,
+                                        AudioStream(file.output, segment_flush=False), rt.executor, pipelined=True)
+            if isinstance(fault, dict) and fault.get("kind") in ("exception", "nan"):  # test hook
+                stream.ectx.inject_fault(fault["kind"], int(fault.get("at_frame") or 0))
+            stream.add_segments(segments)  # EngineError, e.g. whole-layout text longer than the prompt may be
     except (ProtocolError, EngineError) as exc:
         err = as_protocol_error(exc)
         rt.metrics.errors.inc("http", err.code)
