@@ -43,11 +43,12 @@ class SchedulerConfig:
     admission_first_audio_s: float = 0.25
     # Plan a step this long before the device is predicted to finish the one it runs, not as soon as the one
     # before it is collected: a request that arrives then waits for the running step only, not also for a
-    # queued one planned without it. Covers the host's plan and launch (0.3-1 ms; the server holds the GIL
-    # switch interval at 1 ms), else the device idles. The simulator on the H200 profile: 2 ms against 5 ms cuts
-    # p50 / p95 first audio by about 1 ms at 10 and 20 RPS. Used where steps run asynchronously (CUDA, the
+    # queued one planned without it. Covers the host's plan and launch (0.26-0.42 ms a step measured with the
+    # engine in its own process, so 1 ms leaves twice that for jitter), else the device idles. The simulator on
+    # the H200 profile (docs/engine.md "Policy"): 5 -> 2 ms cut p95 first audio by about 0.5-1 ms at 10 and 20
+    # RPS, 2 -> 1 ms by 0.6 / 0.9 / 0.6 ms at 1 / 10 / 20 RPS. Used where steps run asynchronously (CUDA, the
     # simulator); 0 = plan at once.
-    plan_lead_s: float = 0.002
+    plan_lead_s: float = 0.001
     # A second lane for first audio: the steps of requests in the first-audio class (and every prefill) are
     # planned and launched on their own high-priority CUDA stream, beside the playing streams' steps, so a
     # newcomer never queues behind a running step (issue 13 item 3). Its batches hold at most first_lane_max_batch

@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--safety-lead-s", type=float, default=eng.safety_lead_s)
     g.add_argument("--max-step-ms", type=float, default=eng.max_step_s * 1e3,
                    help="split a batch whose predicted step is longer (bounds a newcomer's wait); 0 = off")
+    g.add_argument("--plan-lead-ms", type=float, default=eng.plan_lead_s * 1e3,
+                   help="plan the next step this long before the running one is predicted to end (must cover the "
+                        "host's plan and launch, else the GPU idles; CUDA only); 0 = plan at once")
     g = s.add_argument_group("operations")
     g.add_argument("--drain-timeout-s", type=float, default=25.0,
                    help="on SIGTERM/SIGINT: how long contexts in flight may finish (under k8s' 30 s grace)")
@@ -170,7 +173,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         bench = RANDOM_FRAMES_PER_WORD if is_random(a.model) else 0
     sched = replace(SchedulerConfig(), max_slots=a.max_slots, bench_frames_per_word=bench,
                     admission_load=a.admission_load, admission_first_audio_s=a.admission_first_audio_ms / 1e3,
-                    safety_lead_s=a.safety_lead_s, max_step_s=a.max_step_ms / 1e3,
+                    safety_lead_s=a.safety_lead_s, max_step_s=a.max_step_ms / 1e3, plan_lead_s=a.plan_lead_ms / 1e3,
                     first_audio_lane=a.first_audio_lane == "on", first_lane_max_batch=a.first_lane_max_batch,
                     first_audio_chain=a.first_audio_chain == "on",
                     collect_first_audio_at_once=a.collect_first_audio_at_once == "on")

@@ -12,6 +12,7 @@ import opuslib
 import pytest
 
 from engine import AudioChunk, ContextDone
+from engine.config import SchedulerConfig
 from engine.model.sampling_params import SamplingParams
 from engine.text.tokenizer import TextTokenizer
 from server.audio import AudioStream, OpusOutput, PcmOutput, open_audio_file
@@ -337,6 +338,8 @@ def test_cli_resolves_flags_keys_and_hides_them(tmp_path, monkeypatch, capsys):
     assert bench_of().first_audio_chain and not bench_of("--first-audio-chain", "off").first_audio_chain
     assert bench_of().collect_first_audio_at_once
     assert not bench_of("--collect-first-audio-at-once", "off").collect_first_audio_at_once
+    assert bench_of().plan_lead_s == SchedulerConfig().plan_lead_s
+    assert bench_of("--plan-lead-ms", "2.5").plan_lead_s == 0.0025 and bench_of("--plan-lead-ms", "0").plan_lead_s == 0
     # The engine's own process: auto is on for CUDA only; on and off are taken as they are.
     def engine_process_of(*argv):
         return config_from_args(build_parser().parse_args(["serve", *argv])).engine_process
