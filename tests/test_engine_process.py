@@ -190,21 +190,26 @@ def test_coalesced_commands_leave_in_one_write_and_speak_as_sent_one_by_one(remo
             together.close()
             assert len(counting.sent) == writes_before  # nothing left yet
         one_write = counting.sent[writes_before:]
+        writes_before = len(counting.sent)
         with engine.coalesced():
             held = engine.open_context_pipelined(spec())
             called = engine.open_context(spec())  # a call: the held open leaves first, then the call
             for ctx in (held, called):
                 ctx.append_text(TEXT)
                 ctx.close()
-        return [await within(ctx) for ctx in (separate, refused, together, held, called)], one_write
+        around_call = counting.sent[writes_before:]
+        return [await within(ctx) for ctx in (separate, refused, together, held, called)], one_write, around_call
 
     remote._commands = counting
     try:
-        (separate, refused, together, held, called), one_write = asyncio.run(main(remote))
+        (separate, refused, together, held, called), one_write, around_call = asyncio.run(main(remote))
     finally:
         remote._commands = real
     assert len(one_write) == 1 and one_write[0][0] == "batch"
     assert [m[0] for m in one_write[0][1]] == ["open", "op", "open", "op", "op"]
+    # the held open left before the call, alone; the rest together after it
+    assert [m[0] for m in around_call] == ["open", "call", "batch"]
+    assert [m[0] for m in around_call[2][1]] == ["op"] * 4
     assert [ev.reason for ev in refused] == ["refused"]
     assert len(codes_of(together)) == GREEDY.max_frames
     for ctx_events in (together, held, called):

@@ -297,6 +297,20 @@ def test_graphs_check_can_tell_nondeterminism_from_a_systematic_difference(tmp_p
     assert all(r["agreement"] == 1.0 and r["first_divergent_frame"] is None for r in rows)
 
 
+def test_repeatability_reports_a_mode_that_differs_from_itself(monkeypatch):
+    """A mode whose second run parts from its first (here: graphs, from frame 2) is reported so; the other not."""
+    from engine.tools import gpu_check_kernels as check
+
+    first = torch.zeros(1, 4, 16, dtype=torch.int64)
+    drifted = first.clone()
+    drifted[0, 2:, 0] = 5
+    monkeypatch.setattr(check, "greedy_codes", lambda loaded, b, f, mode: first if mode == "off" else drifted)
+    loaded = type("Loaded", (), {"dtype": torch.float32})()
+    off, graphs = check.repeatability(loaded, 1, 4, first, first)
+    assert off["agreement"] == 1.0 and off["first_divergent_frame"] is None
+    assert graphs["agreement"] == 1 - 2 / 64 and graphs["first_divergent_frame"] == 2
+
+
 def test_programmatic_dependent_launch_is_off_by_default_and_refused_where_it_cannot_run(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv(kernels.PDL_ENV, raising=False)
