@@ -23,8 +23,8 @@ TTFA = "voicelane_ttfa_seconds"
 PHASE = "voicelane_first_audio_phase_seconds"
 # server.metrics.FIRST_AUDIO_PHASES, in order (the load generator is a client: it does not import the server);
 # a phase the server adds later is reported after these.
-PHASES = ("server_in", "queue", "behind", "launch", "prefill", "code_predictor", "codec", "collect", "deliver",
-          "encode", "send")
+PHASES = ("server_in", "engine_in", "queue", "behind", "launch", "prefill", "code_predictor", "codec", "collect",
+          "deliver", "encode", "send")
 # The engine loop's own accounting (server/metrics.py engine_families): steps launched, the engine thread's host
 # time, the device's idle gaps between consecutive steps and each stage's step time.
 ITERATIONS, HOST = "voicelane_engine_iterations", "voicelane_engine_host_seconds"

@@ -32,7 +32,10 @@ FIRST_AUDIO_PHASE_BUCKETS_S = (*(round(i * 0.00025, 5) for i in range(1, 21)), *
 # The phases of a context's server-side TTFA, in order: each runs from the point before to its own point (the
 # first from the TTFA's start), so they sum to the TTFA. docs/benchmarks/README.md, "Where first audio goes".
 FIRST_AUDIO_PHASES = (
-    "server_in",  # the TTFA's start (HTTP: the request; WebSocket: the context's first text) -> the engine has it
+    "server_in",  # the TTFA's start (HTTP: the request; WebSocket: the context's first text) -> its first text ids
+    # handed to the engine (parsing, normalisation, tokenizing, the context's open)
+    "engine_in",  # -> the engine has it (the hand-over: with the engine in its own process, the command's pickling,
+    # the pipe and the engine process's wake-up; the scheduler's lock in both)
     "queue",  # -> the step of its prefill (the FIRST_AUDIO chain, by default) planned
     "behind",  # -> the device finished the work queued ahead of that step (the step in flight when it was planned)
     "launch",  # -> the device started it (the host's launch, where the device was idle before it)
@@ -95,17 +98,19 @@ class Histogram(_Series):
 
 
 def first_audio_phases(start: float, times: FirstAudioTimes, packets_at: float | None,
-                       sent: float) -> dict[str, float]:
+                       sent: float, text_handed_at: float | None = None) -> dict[str, float]:
     """A context's server-side TTFA (start -> sent, time.monotonic()) cut into FIRST_AUDIO_PHASES at the engine's
     points (`times`) and the first packets' readiness (`packets_at`), seconds; they sum to sent - start. The
     device's points come from CUDA events mapped to the host's clock (to within microseconds); each point is held
     between its neighbours, and a point not known (nothing queued ahead, a record without device times) adds a
-    zero phase. When the first bytes sent carried no packet (a WAV header) the encode phase runs to the send."""
+    zero phase. When the first bytes sent carried no packet (a WAV header) the encode phase runs to the send. Without
+    the time its text was handed to the engine (`text_handed_at`), server_in runs to the engine's arrival."""
     ready = sent if packets_at is None else min(packets_at, sent)
     received = times.collected if times.received is None else times.received
     device = (times.ahead_done, times.prefill_started, times.prefill_done, times.code_predictor_done,
               times.codec_done)
-    points = [start, times.arrival, times.prefill_planned]
+    handed = times.arrival if text_handed_at is None else min(max(text_handed_at, start), times.arrival)
+    points = [start, handed, times.arrival, times.prefill_planned]
     for point in device:  # inside [planned, collected], in order
         points.append(points[-1] if point is None else min(max(point, points[-1]), times.collected))
     points += [times.collected, received, ready, sent]
@@ -136,7 +141,7 @@ class ServerMetrics:
                               "(HTTP: the request) to its first audio handed to the socket", ("transport",))
         self.first_audio_phase = Histogram(r, "voicelane_first_audio_phase_seconds", "Server-side time to first "
                                            "audio, phase by phase (they sum to voicelane_ttfa_seconds): server_in, "
-                                           "queue, behind, launch, prefill, code_predictor, codec, collect, "
+                                           "engine_in, queue, behind, launch, prefill, code_predictor, codec, collect, "
                                            "deliver, encode, send", ("transport", "phase"),
                                            buckets=FIRST_AUDIO_PHASE_BUCKETS_S)
         self.active_contexts = Gauge(r, "voicelane_active_contexts", "Contexts open now", ("transport",))
@@ -159,13 +164,13 @@ class ServerMetrics:
                                       "WebSocket sessions, by how they closed", ("close_code",))
 
     def observe_first_audio(self, transport: str, start: float, sent: float, times: FirstAudioTimes | None,
-                            packets_at: float | None) -> dict[str, float]:
+                            packets_at: float | None, text_handed_at: float | None = None) -> dict[str, float]:
         """A context's first audio was handed to its socket at `sent`: its server-side TTFA and, with the engine's
         record of it (`times`), its phases (returned, for the request's log line; empty without a record)."""
         self.ttfa.observe(transport, value=sent - start)
         if times is None:
             return {}
-        phases = first_audio_phases(start, times, packets_at, sent)
+        phases = first_audio_phases(start, times, packets_at, sent, text_handed_at)
         for phase, seconds in phases.items():
             self.first_audio_phase.observe(transport, phase, value=seconds)
         return phases

@@ -65,6 +65,7 @@ class ContextStream:
         self.segments_done = 0  # segments whose audio (and output flush) has been handed out
         self.first_audio: FirstAudioTimes | None = None  # the engine's record of the context's first audio
         self.first_packets_at: float | None = None  # when its first encoded packets were ready (time.monotonic())
+        self.text_handed_at: float | None = None  # when its first text ids went to the engine (time.monotonic())
 
     @classmethod
     def open(cls, engine: Engine, opts: ContextOptions, instruction_ids: list[int] | None, audio: AudioStream,
@@ -85,12 +86,17 @@ class ContextStream:
     def add_text(self, text: str) -> None:
         ids = self.text.feed(text)
         if ids:
-            self.ectx.append_text(ids)
+            self._append(ids)
+
+    def _append(self, ids: list[int]) -> None:
+        if self.text_handed_at is None:  # before the call: an engine in this process takes the text inside it
+            self.text_handed_at = time.monotonic()
+        self.ectx.append_text(ids)
 
     def _end_segment(self, ids: list[int], words: int, closing: bool) -> None:
         """The segment's last ids to the engine, then its end (`closing`: the end of the input too)."""
         if ids:
-            self.ectx.append_text(ids)
+            self._append(ids)
         seg = (self.ectx.close if closing else self.ectx.flush)(words)
         if seg is not None:
             self.last_segment = seg

@@ -61,8 +61,9 @@ def test_each_context_leaves_one_observation_per_phase_summing_to_its_ttfa(serve
             assert seconds >= 0, (transport, phase, seconds)
             total += seconds
         assert total == pytest.approx(ttfa, abs=1e-3), transport
-        # the model's parts took time on a CPU, each its own (the first-audio chain marks where each ends)
-        for part in ("prefill", "code_predictor", "codec"):
+        # the model's parts took time on a CPU, each its own (the first-audio chain marks where each ends); the
+        # text's hand-over to the engine too (stamped before the engine has it, so never cut to zero)
+        for part in ("server_in", "engine_in", "prefill", "code_predictor", "codec"):
             assert s[("voicelane_first_audio_phase_seconds_sum", (("phase", part), ("transport", transport)))] > 0, \
                 (transport, part)
     log = server.log_text()

@@ -109,11 +109,15 @@ def test_first_audio_phases_cut_the_ttfa_at_the_engines_points():
                             prefill_started=10.0045, prefill_done=10.006, code_predictor_done=10.009,
                             codec_done=10.0145, handed=10.0152, received=10.016)
     m = ServerMetrics()
-    phases = m.observe_first_audio("ws", 10.0, 10.020, times, packets_at=10.018)
+    phases = m.observe_first_audio("ws", 10.0, 10.020, times, packets_at=10.018, text_handed_at=10.0004)
     assert list(phases) == list(FIRST_AUDIO_PHASES)
-    expected = [0.001, 0.002, 0.001, 0.0005, 0.0015, 0.003, 0.0055, 0.0005, 0.001, 0.002, 0.002]
+    expected = [0.0004, 0.0006, 0.002, 0.001, 0.0005, 0.0015, 0.003, 0.0055, 0.0005, 0.001, 0.002, 0.002]
     assert list(phases.values()) == pytest.approx(expected)
     assert sum(phases.values()) == pytest.approx(0.020)
+    # without the hand-over's time, server_in runs to the engine's arrival; one past the arrival is held there
+    assert first_audio_phases(10.0, times, 10.018, 10.020)["server_in"] == pytest.approx(0.001)
+    late = first_audio_phases(10.0, times, 10.018, 10.020, text_handed_at=10.0012)
+    assert late["server_in"] == pytest.approx(0.001) and late["engine_in"] == 0
     s = samples(m.render(None, {"model": "m"}, None))
     queue = (("phase", "queue"), ("transport", "ws"))
     assert s[("voicelane_first_audio_phase_seconds_bucket", (("le", "0.00175"),) + queue)] == 0

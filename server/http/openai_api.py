@@ -356,7 +356,8 @@ class SpeechStream(Response):
         if data and not self.first_sent:
             self.first_sent = True
             self.first_audio_phases = self.rt.metrics.observe_first_audio(
-                "http", self.t0, time.monotonic(), self.stream.first_audio, self.stream.first_packets_at)
+                "http", self.t0, time.monotonic(), self.stream.first_audio, self.stream.first_packets_at,
+                self.stream.text_handed_at)
 
     async def _start(self, send, content_type: str) -> None:
         if not self.started:

@@ -170,7 +170,7 @@ class WsContext:
             self.ttfa_s = self.first_audio_sent_at - (self.first_text_at or self.created_at)
             self.first_audio_phases = self.metrics.observe_first_audio(
                 "ws", self.first_text_at or self.created_at, self.first_audio_sent_at, self.stream.first_audio,
-                self.stream.first_packets_at)
+                self.stream.first_packets_at, self.stream.text_handed_at)
 
     async def _finish(self, ev: ContextDone) -> None:
         """The engine ended the context (completed, max_frames, error) or the session timed it out."""
