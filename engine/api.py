@@ -59,6 +59,9 @@ class ContextSpec:
     # the consumer trims leading silence and calls EngineContext.mark_audible at each segment's onset: until then the
     # segment keeps first-audio priority (a consumer that does not report keeps it until the first chunk)
     reports_onset: bool = False
+    # the consumer plays the audio as it comes, at 1x (a live listener, not a file being written): at light load
+    # pacing (SchedulerConfig.pace_buffer_s) may hold the stream while its listener has enough buffered
+    realtime: bool = False
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,11 @@ class SchedulerConfig:
     # millisecond or more with the server beside it on one GIL, would count into that first audio). The device
     # idles meanwhile. One lane only.
     collect_first_audio_at_once: bool = True
+    # Pacing: at light load (at most pace_max_contexts open; 0 = half the slots) and with nothing urgent, a playing
+    # stream whose listener has at least pace_buffer_s of audio buffered waits instead of running ahead, so the
+    # device idles (a newcomer finds it free) and the streams' steps batch together. 0 = off (work-conserving).
+    pace_buffer_s: float = 0.0
+    pace_max_contexts: int = 0
 
     @property
     def slots(self) -> int:
@@ -90,6 +95,9 @@ class SchedulerConfig:
         if self.first_audio_max_s < 0 or self.admission_first_audio_s < 0:
             raise EngineConfigError(f"first_audio_max_s = {self.first_audio_max_s}, admission_first_audio_s = "
                                     f"{self.admission_first_audio_s}; both must be >= 0")
+        if self.pace_buffer_s < 0 or self.pace_max_contexts < 0:
+            raise EngineConfigError(f"pace_buffer_s = {self.pace_buffer_s}, pace_max_contexts = "
+                                    f"{self.pace_max_contexts}; use 0 (off; half the slots) or more")
         if self.plan_lead_s < 0:
             raise EngineConfigError(f"plan_lead_s = {self.plan_lead_s}; use 0 (plan at once) or seconds")
         if self.first_audio_lane and self.policy != "first_audio":

@@ -197,7 +197,7 @@ class EngineCore:
         try:
             while not self._stop.is_set():
                 if not self.step() and not self.busy:
-                    self.wake.wait(0.05)
+                    self.wake.wait(self._idle_wait_s())
                     self.wake.clear()
         except BaseException as exc:  # noqa: BLE001 - reported through /ready and the log
             self.crashed = exc
@@ -207,6 +207,11 @@ class EngineCore:
                           [(r.cid, r.slot, r.frame, r.chunk) for r in plan.rows] if plan else [])
             if self.on_crash is not None:
                 self.on_crash(exc)
+
+    def _idle_wait_s(self) -> float:
+        """Nothing to run: wait for a call, or until pacing's hold ends (Scheduler.held_until), at most 50 ms."""
+        held = self.scheduler.held_until
+        return 0.05 if held is None else min(0.05, max(held - self.clock(), POLL_S))
 
     def stop(self) -> None:
         self._stop.set()

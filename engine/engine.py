@@ -226,7 +226,8 @@ class Engine:
         with self.core.lock:
             try:
                 cid = self.scheduler.open_context(voice, spec.sampling, time.monotonic(), layout=spec.text_layout,
-                                                  instruction=instruction, reports_onset=spec.reports_onset)
+                                                  instruction=instruction, reports_onset=spec.reports_onset,
+                                                  realtime=spec.realtime)
             except AdmissionRefused as exc:
                 raise Overloaded(str(exc)) from None
             ctx = make(cid)

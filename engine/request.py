@@ -68,6 +68,7 @@ class ContextState:
     failed: str | None = None
     last_reason: str = "completed"
     reports_onset: bool = False  # the consumer trims leading silence and reports each segment's audible onset
+    realtime: bool = False  # the consumer plays as it comes, at 1x: pacing may hold it (SchedulerConfig.pace_buffer_s)
     lane: str | None = None  # the lane that last ran a step on the slot (two lanes: "first" or "main")
 
 

@@ -77,16 +77,20 @@ class Scheduler:
         self._in_flight_s = 0.0
         self.outbox: list[EngineEvent] = []  # events not yet handed to the engine, in order
         self.chain_gave_way: str | None = None  # first_audio_chain on but not chaining now: why
+        self.held_until: float | None = None  # pacing held every runnable stream at the last plan: until then
 
     # ------------------------------------------------------------------ context operations
     def open_context(self, voice: Voice, sampling: SamplingParams, now: float, *, layout: str = "dual",
-                     instruction: list[int] | None = None, reports_onset: bool = False) -> int:
+                     instruction: list[int] | None = None, reports_onset: bool = False,
+                     realtime: bool = False) -> int:
         """Admit a context (AdmissionRefused if not). `instruction`: the wrapped instruction's ids;
-        `reports_onset`: the consumer calls mark_audible per segment (the server's silence trimmer)."""
+        `reports_onset`: the consumer calls mark_audible per segment (the server's silence trimmer); `realtime`:
+        it plays the audio at 1x as it comes, so pacing may hold it."""
         self._check_admission(now)
         cid = next(self._ids)
         self.contexts[cid] = ContextState(cid=cid, slot=self.free_slots.pop(), sampling=sampling, voice=voice,
-                                          layout=layout, instruction=instruction, reports_onset=reports_onset)
+                                          layout=layout, instruction=instruction, reports_onset=reports_onset,
+                                          realtime=realtime)
         self.segments[cid] = deque()
         self._trace(cid, "admitted", now)
         return cid
@@ -328,6 +332,8 @@ class Scheduler:
     def plan(self, now: float, lane: str | None = None) -> StagePlan | None:
         """The next step; with `lane` ("first" or "main"), the next step of that lane only (lane_of)."""
         runnable: list[tuple[Request, Stage, int, tuple]] = []  # request, stage, codec chunk, rank
+        if lane != "first":
+            self.held_until = None
         heads = list(self._heads())
         newcomers = [] if self.cfg.policy == "edf" else [r for r in heads if self.in_first_audio_class(r)]
         chain = self._newcomer_chain_s(len(newcomers)) if newcomers else None
@@ -347,6 +353,10 @@ class Scheduler:
             anchor = min(urgent, key=lambda x: (x[3], x[1] != Stage.CODEC))
             stage, chunk = anchor[1], anchor[2]
         else:
+            held = self._paced_until(runnable, now) if lane != "first" else None
+            self.held_until = held
+            if held is not None:
+                return None
             stage, chunk = self._throughput_stage(runnable)
         # A codec step is padded to `chunk` frames: every row whose own chunk fits rides along (decoding its own).
         members = [x for x in runnable if x[1] == stage and (stage != Stage.CODEC or x[2] == chunk
@@ -370,6 +380,21 @@ class Scheduler:
             for r, *_ in batch:
                 r.context.lane = lane
         return StagePlan(stage, rows, lane, wait_lane)
+
+    def _paced_until(self, runnable, now: float) -> float | None:
+        """Pacing (SchedulerConfig.pace_buffer_s): with at most pace_max_contexts open, when every runnable stream
+        plays in real time and its listener has at least pace_buffer_s buffered, the moment the first of them drops
+        to it; else None. One stream that must run takes the others along: their rows cost the step almost nothing."""
+        cfg = self.cfg
+        if not cfg.pace_buffer_s or len(self.contexts) > (cfg.pace_max_contexts or cfg.slots // 2):
+            return None
+        until = float("inf")
+        for r, *_ in runnable:
+            empty = r.context.clock.buffer_empty_at()
+            if empty is None or not r.context.realtime:
+                return None
+            until = min(until, empty - cfg.pace_buffer_s)
+        return until if until > now else None
 
     def _rank(self, r: Request, now: float, newcomers: list[Request], chain: float | None, streams: int) -> tuple:
         """(class, time): lower runs first. Without newcomers (or under edf) every urgent request shares one

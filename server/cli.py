@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plan-lead-ms", type=float, default=eng.plan_lead_s * 1e3,
                    help="plan the next step this long before the running one is predicted to end (must cover the "
                         "host's plan and launch, else the GPU idles; CUDA only); 0 = plan at once")
+    g.add_argument("--pace-buffer-ms", type=float, default=eng.pace_buffer_s * 1e3,
+                   help="pacing at light load: a stream whose listener has this much audio buffered waits instead "
+                        "of running ahead (WebSocket and streamed HTTP; a whole-file request never waits); 0 = off")
+    g.add_argument("--pace-max-contexts", type=int, default=eng.pace_max_contexts,
+                   help="pacing holds streams only while at most this many contexts are open; 0 = half the slots")
     g = s.add_argument_group("operations")
     g.add_argument("--drain-timeout-s", type=float, default=25.0,
                    help="on SIGTERM/SIGINT: how long contexts in flight may finish (under k8s' 30 s grace)")
@@ -176,7 +181,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
                     safety_lead_s=a.safety_lead_s, max_step_s=a.max_step_ms / 1e3, plan_lead_s=a.plan_lead_ms / 1e3,
                     first_audio_lane=a.first_audio_lane == "on", first_lane_max_batch=a.first_lane_max_batch,
                     first_audio_chain=a.first_audio_chain == "on",
-                    collect_first_audio_at_once=a.collect_first_audio_at_once == "on")
+                    collect_first_audio_at_once=a.collect_first_audio_at_once == "on",
+                    pace_buffer_s=a.pace_buffer_ms / 1e3, pace_max_contexts=a.pace_max_contexts)
     engine = EngineConfig(scheduler=sched, max_frames=a.max_frames, max_prompt_tokens=a.max_prompt_tokens,
                           cuda_graphs=a.cuda_graphs, debug_sync=a.debug_sync,
                           prefix_cache_entries=a.prefix_cache_entries, prefix_cache_mib=a.prefix_cache_mib)

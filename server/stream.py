@@ -70,14 +70,15 @@ class ContextStream:
     @classmethod
     def open(cls, engine: Engine, opts: ContextOptions, instruction_ids: list[int] | None, audio: AudioStream,
              executor: Executor | None, tokenizer: TextTokenizer | None = None,
-             pipelined: bool = False) -> ContextStream:
+             pipelined: bool = False, realtime: bool = True) -> ContextStream:
         """Admission of a context opened with `opts` (the engine raises InvalidRequest / Overloaded; `pipelined`:
         with the engine in its own process, a refusal comes as the first event instead, ContextDone("refused"));
-        with a tokenizer, the stream takes text (add_text), else whole segments of ids (add_segments)."""
+        with a tokenizer, the stream takes text (add_text), else whole segments of ids (add_segments).
+        `realtime`: the client plays the audio as it comes (so the engine may pace it), not a whole file."""
         trace_id = uuid.uuid4().hex
         spec = ContextSpec(voice=opts.voice, language=opts.language, instruction_ids=instruction_ids,
                            text_layout=opts.text_layout, sampling=opts.sampling, trace_id=trace_id,
-                           reports_onset=True)
+                           reports_onset=True, realtime=realtime)
         text = TextPipeline(tokenizer, opts.text_normalization) if tokenizer is not None else None
         ectx = engine.open_context_pipelined(spec) if pipelined else engine.open_context(spec)
         return cls(ectx, audio, executor, text, trace_id)

@@ -340,6 +340,9 @@ def test_cli_resolves_flags_keys_and_hides_them(tmp_path, monkeypatch, capsys):
     assert not bench_of("--collect-first-audio-at-once", "off").collect_first_audio_at_once
     assert bench_of().plan_lead_s == SchedulerConfig().plan_lead_s
     assert bench_of("--plan-lead-ms", "2.5").plan_lead_s == 0.0025 and bench_of("--plan-lead-ms", "0").plan_lead_s == 0
+    assert bench_of().pace_buffer_s == SchedulerConfig().pace_buffer_s
+    paced = bench_of("--pace-buffer-ms", "1500", "--pace-max-contexts", "12")
+    assert paced.pace_buffer_s == 1.5 and paced.pace_max_contexts == 12
     # The engine's own process: auto is on for CUDA only; on and off are taken as they are.
     def engine_process_of(*argv):
         return config_from_args(build_parser().parse_args(["serve", *argv])).engine_process

@@ -147,6 +147,7 @@ class Simulation:
                                 lambda cid: self.by_cid[cid].arrival.silent_frames, max(cfg.chunk_ramp),
                                 self.prefix_cache, position_bytes)
         self.runner.lane_slowdown = o.lane_slowdown
+        self._called = False  # a client's call reached the scheduler during the engine's current iteration
         self.core = EngineCore(self.scheduler, self.runner, self._deliver, Timeline(1), self.clock,
                                plan_lead_s=cfg.plan_lead_s, sleep=self._sleep)
         for listener in self.listeners:
@@ -154,6 +155,7 @@ class Simulation:
 
     # ------------------------------------------------------------------ clients
     def _call(self, fn, *args):
+        self._called = True  # the engine's wake: the loop plans again before it idles
         out = fn(*args)
         events = self.scheduler.drain_outbox()
         if events:
@@ -166,7 +168,7 @@ class Simulation:
         try:
             x.cid = self._call(lambda: self.scheduler.open_context(
                 self.voice, SamplingParams(seed=a.index, min_frames=0), t, layout=layout,
-                reports_onset=self.options.reports_onset))
+                reports_onset=self.options.reports_onset, realtime=True))
         except AdmissionRefused as exc:
             x.refused = str(exc)
             return
@@ -223,9 +225,11 @@ class Simulation:
         stop = last_arrival + self.options.drain_s
         while self.clock.t < stop:
             self.events.run_until(self.clock.t)
-            if self.core.step() or self.core.busy:
+            self._called = False
+            if self.core.step() or self.core.busy or self._called:
                 continue
-            nxt = self.events.next_time()
+            nxt = min((t for t in (self.events.next_time(), self.scheduler.held_until) if t is not None),
+                      default=None)
             if nxt is None:
                 break
             self.clock.t = max(self.clock.t, nxt)

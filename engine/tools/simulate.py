@@ -38,6 +38,10 @@ def scheduler_config(args) -> SchedulerConfig:
         overrides["mix_codec_chunks"] = args.codec_chunks == "mixed"
     if args.collect_first_audio_at_once is not None:
         overrides["collect_first_audio_at_once"] = args.collect_first_audio_at_once == "on"
+    if args.pace_buffer_ms is not None:
+        overrides["pace_buffer_s"] = args.pace_buffer_ms / 1e3
+    if args.pace_max_contexts is not None:
+        overrides["pace_max_contexts"] = args.pace_max_contexts
     return replace(cfg, **overrides)
 
 
@@ -74,6 +78,10 @@ def main(argv: list[str] | None = None) -> dict:
                     "chunk up to its anchor's (mixed, the default) or the anchor's chunk size only")
     ap.add_argument("--no-onset", dest="reports_onset", action="store_false", help="the consumer reports no "
                     "audible onset: the first-audio class ends at the first chunk even when it is silent")
+    ap.add_argument("--pace-buffer-ms", type=float, default=None, help="pacing: a playing stream with this much "
+                    "audio buffered waits at light load (0: off; default: the configured one)")
+    ap.add_argument("--pace-max-contexts", type=int, default=None, help="pacing: at most this many contexts open "
+                    "(0: half the slots; default: the configured one)")
     ap.add_argument("--out", default=None, help="write the summaries as JSON here")
     a = ap.parse_args(argv)
     profile = StageProfile.from_json(a.profile, a.graphs)

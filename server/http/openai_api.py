@@ -190,7 +190,8 @@ async def speech(request: Request) -> Response:
         # the first audio)
         with rt.engine.coalesced():
             stream = ContextStream.open(rt.engine, req.options, instructions,
-                                        AudioStream(file.output, segment_flush=False), rt.executor, pipelined=True)
+                                        AudioStream(file.output, segment_flush=False), rt.executor, pipelined=True,
+                                        realtime=req.stream)
             if isinstance(fault, dict) and fault.get("kind") in ("exception", "nan"):  # test hook
                 stream.ectx.inject_fault(fault["kind"], int(fault.get("at_frame") or 0))
             stream.add_segments(segments)  # EngineError, e.g. whole-layout text longer than the prompt may be
