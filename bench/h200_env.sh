@@ -14,5 +14,11 @@ export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 # ctypes.util.find_library, which reads `ldconfig -p`.
 mkdir -p /tmp/deb && for f in .deb/*.deb; do dpkg -x "$f" /tmp/deb; done
 echo /tmp/deb/usr/lib/x86_64-linux-gnu >/etc/ld.so.conf.d/voicelane-opus.conf && ldconfig
-export VOICELANE_COMMIT=${VOICELANE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
+# The device tool's copy of the tree may carry stale git metadata (2026-12-06: it said 594d537 for 63792e7's tree):
+# name the commit in the call (VOICELANE_COMMIT=$(git rev-parse --short HEAD) run here, pasted into the command).
+if [ -z "${VOICELANE_COMMIT:-}" ]; then
+  VOICELANE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null)
+  echo "h200_env: VOICELANE_COMMIT=$VOICELANE_COMMIT from this copy's git metadata, which may be stale; set it" >&2
+fi
+export VOICELANE_COMMIT
 export PYTHONUNBUFFERED=1
