@@ -257,6 +257,13 @@ class Engine:
     def inject_fault(self, cid: int, kind: str, at_frame: int) -> None:
         self.runner.faults[cid] = (kind, at_frame)
 
+    def end_pacing(self) -> None:
+        """The server drains: hold no stream from now on (SchedulerConfig.pace_buffer_s), so that what is in flight
+        finishes generating before the drain's deadline instead of at its listener's pace."""
+        with self.core.lock:
+            self.scheduler.pacing = False
+        self.core.wake.set()
+
     def _deliver(self, events: list[EngineEvent]) -> None:
         """Route the scheduler's events to their contexts (called on the engine thread or inside a submit)."""
         routed: dict[int, tuple[EngineContext, list[EngineEvent]]] = {}

@@ -250,6 +250,9 @@ class RemoteEngine:
     def inject_fault(self, cid: int, kind: str, at_frame: int) -> None:
         self._send(("fault", cid, kind, at_frame))
 
+    def end_pacing(self) -> None:
+        self._send(("end_pacing",))
+
     @contextlib.contextmanager
     def coalesced(self):
         """The one-way commands sent inside (opens, text, closes) leave together when it ends: one write, one wake-up
@@ -494,6 +497,8 @@ class _EngineServer:
                 cid = self._cid_of.get(message[1])
                 if cid is not None:
                     engine.inject_fault(cid, *message[2:])
+            elif kind == "end_pacing":
+                engine.end_pacing()
             elif kind == "call":
                 self.replies.send(self._answer(message[1], message[2]))
         except Exception:  # noqa: BLE001 - one bad command never stops the others

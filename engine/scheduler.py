@@ -78,6 +78,7 @@ class Scheduler:
         self.outbox: list[EngineEvent] = []  # events not yet handed to the engine, in order
         self.chain_gave_way: str | None = None  # first_audio_chain on but not chaining now: why
         self.held_until: float | None = None  # pacing held every runnable stream at the last plan: until then
+        self.pacing = cfg.pace_buffer_s > 0  # off for good once the server drains (end_pacing)
 
     # ------------------------------------------------------------------ context operations
     def open_context(self, voice: Voice, sampling: SamplingParams, now: float, *, layout: str = "dual",
@@ -386,7 +387,7 @@ class Scheduler:
         plays in real time and its listener has at least pace_buffer_s buffered, the moment the first of them drops
         to it; else None. One stream that must run takes the others along: their rows cost the step almost nothing."""
         cfg = self.cfg
-        if not cfg.pace_buffer_s or len(self.contexts) > (cfg.pace_max_contexts or cfg.slots // 2):
+        if not self.pacing or len(self.contexts) > (cfg.pace_max_contexts or cfg.slots // 2):
             return None
         until = float("inf")
         for r, *_ in runnable:
@@ -587,7 +588,7 @@ class Scheduler:
             waiting_first_audio=sum(1 for r in heads if r.first_audio_at is None and r.text_ids),
             text_starved=sum(1 for r in heads if r.prefilled and r.generating and
                              self.generation_stage(r) is None and not self.codec_chunk(r)),
-            queue_depth=waiting)
+            queue_depth=waiting, pacing=self.pacing)
 
     def _trace(self, cid: int, name: str, now: float, **args) -> None:
         if self.timeline is not None:

@@ -230,6 +230,7 @@ class SchedulerStats:
     waiting_first_audio: int  # active segments with text and no audio yet
     text_starved: int  # generating segments waiting for more text
     queue_depth: dict[str, int]  # stage name -> active segments runnable at it now
+    pacing: bool  # real-time streams may be held at light load (SchedulerConfig.pace_buffer_s; off once draining)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -193,6 +193,8 @@ def engine_families(s: EngineStats) -> list[Metric]:
         GaugeMetricFamily("voicelane_engine_waiting_first_audio",
                           "Requests with text still waiting for their first audio", s.waiting_first_audio),
         GaugeMetricFamily("voicelane_engine_text_starved", "Requests waiting for more text", s.text_starved),
+        GaugeMetricFamily("voicelane_engine_pacing", "1 while real-time streams may be held at light load "
+                          "(--pace-buffer-ms; 0 when off, and from the start of a drain)", int(s.pacing)),
         GaugeMetricFamily("voicelane_engine_kv_cache_bytes", "KV cache memory", s.kv_cache_bytes),
         GaugeMetricFamily("voicelane_engine_max_slots", "Request slots (KV cache rows): configured, or sized from "
                           "the device's memory", s.max_slots),

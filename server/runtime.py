@@ -152,6 +152,8 @@ class Runtime:
             return
         self.draining = True
         self.drain_deadline = time.monotonic() + self.config.drain_timeout_s
+        if self.engine is not None:
+            self.engine.end_pacing()  # what is in flight generates at full speed, to finish before the deadline
         log.info("draining: %d WebSocket session(s), %d HTTP stream(s) in flight; deadline %.0f s",
                  len(self.sessions), self.http_streams, self.config.drain_timeout_s)
         for s in list(self.sessions):

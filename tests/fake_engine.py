@@ -36,5 +36,8 @@ class FakeEngine:
     def coalesced(self):
         return contextlib.nullcontext()
 
+    def end_pacing(self) -> None:
+        pass
+
     def stop(self) -> None:
         pass

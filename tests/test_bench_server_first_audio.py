@@ -85,6 +85,7 @@ def engine_scrape(steps: int, host_s: float, idle_per_bucket: list[int], idle_s:
     from server.metrics import ServerMetrics
 
     stats = EngineStats(contexts=0, requests=0, free_slots=1, waiting_first_audio=0, text_starved=0, queue_depth={},
+                        pacing=False,
                         stages={"talker": StageStats(steps=steps, rows=steps, seconds=busy_s * 0.4,
                                                      histogram=[steps] + [0] * 10),
                                 "codec": StageStats(steps=steps, rows=steps, seconds=busy_s * 0.6,

@@ -20,7 +20,7 @@ def samples(text: str) -> dict[tuple, float]:
 
 ENGINE_STATS = EngineStats(
     contexts=2, requests=2, free_slots=30, waiting_first_audio=1, text_starved=0,
-    queue_depth={"talker": 3, "codec": 0},
+    queue_depth={"talker": 3, "codec": 0}, pacing=True,
     stages={"talker": StageStats(steps=4, rows=10, seconds=0.5, last_batch=2,
                                  histogram=[1, 0, 2, 0, 0, 0, 0, 0, 0, 1, 0])},
     kv_cache_bytes=4096, open_contexts=2, max_slots=128,
@@ -71,6 +71,7 @@ def test_not_ready_and_no_engine():
 def test_engine_series_from_stats():
     s = samples(ServerMetrics().render(ENGINE_STATS, {"model": "m", "random_weights": "false"}, {"ready": True}))
     assert s[("voicelane_engine_free_slots", ())] == 30
+    assert s[("voicelane_engine_pacing", ())] == 1
     assert s[("voicelane_engine_kv_cache_bytes", ())] == 4096
     assert s[("voicelane_engine_max_slots", ())] == 128
     assert s[("voicelane_prefix_cache_hits_total", ())] == 7

@@ -4,6 +4,7 @@ clock, the engine loop's wake-up, the simulator's account, and the doors' real-t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import replace
 
@@ -13,15 +14,21 @@ from test_scheduler import MODEL, Clock, FakeRunner
 from test_sim import ROOT
 
 from engine import FastPath, ModelInfo, Overloaded, Readiness, SamplingParams, VoiceInfo
-from engine.config import EngineConfigError, SchedulerConfig
+from engine.config import EngineConfig, EngineConfigError, SchedulerConfig
 from engine.core import POLL_S, EngineCore
+from engine.engine import Engine
 from engine.model.prompt import resolve_voice
+from engine.remote import RemoteEngine
 from engine.scheduler import Scheduler
 from engine.sim.profile import StageProfile
 from engine.sim.run import SimOptions, simulate
 from engine.sim.workload import poisson_workload
+from engine.text.tokenizer import TextTokenizer
 from engine.trace import Timeline
 from engine.types import AudioChunk
+from server.cli import engine_process_main
+from server.config import ServerConfig
+from server.runtime import Runtime
 
 PACED = SchedulerConfig(max_slots=8, pace_buffer_s=1.0)
 
@@ -156,10 +163,7 @@ class RecordingEngine:
 
 
 def test_http_streams_are_realtime_and_a_whole_file_is_not(tiny_checkpoint):
-    from engine.text.tokenizer import TextTokenizer
     from server.app import create_app
-    from server.config import ServerConfig
-    from server.runtime import Runtime
 
     engine = RecordingEngine()
     client = TestClient(create_app(Runtime(ServerConfig(), engine, TextTokenizer.from_dir(tiny_checkpoint))))
@@ -169,3 +173,35 @@ def test_http_streams_are_realtime_and_a_whole_file_is_not(tiny_checkpoint):
             body["stream"] = stream
         assert client.post("/v1/audio/speech", json=body).status_code == 503
     assert [s.realtime for s in engine.specs] == [True, False, True]  # stream defaults to true
+
+
+def test_a_drain_ends_pacing_in_this_process_and_in_the_engine_process(tiny_checkpoint, tiny_model):
+    """Held streams would finish at their listeners' pace, past the drain's deadline: draining ends pacing."""
+    sched, core, clock, (a, b) = playing(PACED, 2)
+    buffered(sched, clock, {a: 3.0, b: 3.0})
+    assert sched.plan(clock()) is None and sched.stats().pacing
+    sched.pacing = False
+    assert sched.plan(clock()) is not None and not sched.stats().pacing
+    config = EngineConfig(scheduler=SchedulerConfig(max_slots=4, pace_buffer_s=1.0), max_frames=64,
+                          max_prompt_tokens=96)
+    engine = Engine(tiny_model, config)
+    try:
+        assert engine.stats().pacing
+        engine.end_pacing()
+        assert not engine.stats().pacing
+    finally:
+        engine.stop()
+    cfg = ServerConfig(model=str(tiny_checkpoint), device="cpu", dtype="float32", cpu_threads=2, warmup=False,
+                       log_level="warning", engine=config)
+    remote = RemoteEngine.spawn(engine_process_main, cfg, start_timeout_s=300)
+    try:
+        rt = Runtime(cfg, remote, TextTokenizer.from_dir(tiny_checkpoint))
+        assert remote.stats().pacing
+
+        async def drain():
+            rt.start_drain()
+
+        asyncio.run(drain())
+        assert not remote.stats().pacing  # the one-way command went ahead of the call, on the same pipe
+    finally:
+        remote.stop()
