@@ -11,7 +11,9 @@ Plain Python, no torch, clock passed in. The policy (docs/engine.md, Policy):
      waiting there (by class, then deadline) up to the stage's limit. A codec step is padded to the anchor's
      chunk: requests whose own chunk is no larger join it (each decodes its own frames), larger ones wait.
   3. Nothing urgent: run the stage with the most waiting work (throughput mode), building slack; a codec step
-     there is padded to the largest waiting chunk, so it holds every codec-runnable request.
+     there is padded to the largest waiting chunk, so it holds every codec-runnable request. With pacing
+     (pace_buffer_s) at light load: nothing at all while every runnable stream is real-time and its listener has
+     that much buffered (held_until says until when).
   4. Admission refuses what the cost model predicts cannot be served without hurting playing streams, and a
      newcomer whose own predicted first audio is too late.
   5. With first_audio_chain, a segment's prefill is a FIRST_AUDIO step: the prefill, frame 0's codes and its
