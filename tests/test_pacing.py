@@ -5,15 +5,15 @@ clock, the engine loop's wake-up, the simulator's account, and the doors' real-t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import replace
 
 import pytest
+from fake_engine import FakeEngine
 from starlette.testclient import TestClient
 from test_scheduler import MODEL, Clock, FakeRunner
 from test_sim import ROOT
 
-from engine import FastPath, ModelInfo, Overloaded, Readiness, SamplingParams, VoiceInfo
+from engine import Overloaded, SamplingParams
 from engine.config import EngineConfig, EngineConfigError, SchedulerConfig
 from engine.core import POLL_S, EngineCore
 from engine.engine import Engine
@@ -128,38 +128,18 @@ def test_simulated_pacing_idles_the_device_without_underruns_and_keeps_first_aud
     assert paced["ttfa_ms"]["p50"] <= eager["ttfa_ms"]["p50"] + 0.05
 
 
-class RecordingEngine:
+class RecordingEngine(FakeEngine):
     """Records the ContextSpec each context opens with and refuses it (the door answers 503, nothing runs)."""
 
     def __init__(self):
+        super().__init__()
         self.specs = []
-        self.sampling_defaults = SamplingParams()
-        self.info = ModelInfo(name="rec", model_size="1b7", voices=[VoiceInfo("ryan", ["auto", "english"])],
-                              languages=["auto", "english"], supports_instructions=True, random_weights=True,
-                              sampling_defaults=self.sampling_defaults)
-
-    def readiness(self):
-        off = FastPath(False, "recording")
-        return Readiness(model_loaded=True, warmed_up=True, engine_running=True, device="cpu", dtype="float32",
-                         cuda_graphs=off, triton_kernels=off, random_weights=True)
-
-    def running(self):
-        return True
-
-    def attach(self, loop):
-        pass
-
-    def coalesced(self):
-        return contextlib.nullcontext()
 
     def open_context_pipelined(self, spec):
         self.specs.append(spec)
         raise Overloaded("recording only")
 
     open_context = open_context_pipelined
-
-    def stop(self):
-        pass
 
 
 def test_http_streams_are_realtime_and_a_whole_file_is_not(tiny_checkpoint):
