@@ -84,11 +84,14 @@ def compile_linear(dtype: str) -> None:
     pointers = {"part_ptr": "*fp32", "ticket_ptr": "*i32"}
     for swiglu, dot, split, block_m in ((False, True, False, 16), (True, True, True, 64), (True, False, True, 1),
                                         (False, False, False, 4)):
-        ptx = _compile(linear._skinny_kernel, dtype,
-                       {"SWIGLU": swiglu, "DOT": dot, "IEEE": dtype == "fp32", "SPLIT": split, "INTERPRET": False,
-                        "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 256, "LINE": 64}, pointers)
-        # under PDL the weights are pulled into L2 before the wait for the kernel before
-        assert "prefetch.global.L2" in ptx.split("griddepcontrol.wait")[0]
+        for preload in (False, True):
+            ptx = _compile(linear._skinny_kernel, dtype,
+                           {"SWIGLU": swiglu, "DOT": dot, "IEEE": dtype == "fp32", "SPLIT": split, "INTERPRET": False,
+                            "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 256, "LINE": 64, "PRELOAD": preload},
+                           pointers)
+            before_wait = ptx.split("griddepcontrol.wait")[0]
+            # under PDL the weights are pulled into L2 before the wait for the kernel before, or (preload) read
+            assert ("ld.global" if preload else "prefetch.global.L2") in before_wait
 
 
 def compile_sampler(dtype: str) -> None:

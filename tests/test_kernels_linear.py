@@ -20,10 +20,12 @@ from engine.kernels import linear as kl  # noqa: E402
 from engine.model.layers import dense  # noqa: E402
 
 CONFIGS = [kl.LinearConfig(16, 32, 1, True, 4, 2), kl.LinearConfig(32, 64, 3, True, 4, 3),
-           kl.LinearConfig(16, 32, 4, False, 4, 2)]
+           kl.LinearConfig(16, 32, 4, False, 4, 2), kl.LinearConfig(16, 32, 1, True, 4, 2, preload=True),
+           kl.LinearConfig(16, 256, 1, False, 4, 2, preload=True)]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"n{c.block_n}k{c.block_k}s{c.split_k}dot{int(c.dot)}")
+@pytest.mark.parametrize("config", CONFIGS,
+                         ids=lambda c: f"n{c.block_n}k{c.block_k}s{c.split_k}dot{int(c.dot)}pre{int(c.preload)}")
 @pytest.mark.parametrize("rows,N,K", [(1, 48, 96), (3, 40, 100), (17, 64, 130), (64, 24, 64)])
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -81,8 +83,17 @@ def test_table_decides_per_gpu_shape_and_bucket(tmp_path, monkeypatch):
         assert kl.choose(cpu, 40, 64, 1, False) == slower
         assert kl.choose(cpu, 40, 64, 2, False) == kl.DEFAULT_CONFIG
         assert kl.choose(cpu, 40, 64, 3, False) == config
+        monkeypatch.setenv(kl.PRELOAD_ENV, "128")  # every skinny launch one K block of 128 a program, preloaded
+        assert kl.choose(cpu, 40, 64, 3, False) == kl.LinearConfig(16, 128, 2, True, 4, 2, preload=True)
+        for bad in ("100", "8", "yes"):
+            monkeypatch.setenv(kl.PRELOAD_ENV, bad)
+            with pytest.raises(ValueError, match=kl.PRELOAD_ENV):
+                kl.choose(cpu, 40, 64, 3, False)
+        monkeypatch.setenv(kl.PRELOAD_ENV, "off")
+        assert kl.choose(cpu, 40, 64, 3, False) == config
         monkeypatch.setenv(kl.FORCE_ENV, "cublas")
-        assert kl.choose(cpu, 40, 64, 3, False) is None
+        monkeypatch.setenv(kl.PRELOAD_ENV, "128")
+        assert kl.choose(cpu, 40, 64, 3, False) is None  # preload changes the kernel's shape, not where it runs
         assert kl.kernels_status()["skinny_linear_tuned_for"] == {"cpu": 1, "Some Other GPU": 1}
     finally:
         monkeypatch.delenv(kl.TABLE_ENV)

@@ -17,7 +17,9 @@ whether cuBLAS beat it): where cuBLAS measured faster, or for a GPU or shape the
 runs F.linear, and `kernels_status()` says which GPU the table was tuned on. VOICELANE_LINEAR=triton runs the
 kernel for every shape (its tuned config, else DEFAULT_CONFIG): under programmatic dependent launch a cuBLAS GEMM
 breaks the chain of overlapping launches, which the tuner's one-shape-at-a-time timing does not see. Rows above
-64 (prefill) always go to cuBLAS.
+64 (prefill) always go to cuBLAS. VOICELANE_LINEAR_PRELOAD=256 (a K block) gives every skinny launch one K block a
+program, its weights read into registers before the program waits for the kernel before: under PDL the weight
+read of one GEMM overlaps the kernels before it, where the L2 prefetch only moves it closer (an experiment, off).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -47,13 +49,16 @@ TUNED_DTYPE = torch.bfloat16
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TABLE_ENV = "VOICELANE_LINEAR_TABLE"  # another table file (the tuner's output, before it is committed)
 FORCE_ENV = "VOICELANE_LINEAR"  # "triton": DEFAULT_CONFIG for every shape without an entry (CPU tests); "cublas"
+PRELOAD_ENV = "VOICELANE_LINEAR_PRELOAD"  # a block_k: every skinny launch takes preload=True with that K block
 TABLE_PATH = Path(__file__).with_name("linear_table.json")
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True)
 class LinearConfig:
-    """One launch shape of the kernel. dot=False multiplies on CUDA cores (a row or four need no tensor core)."""
+    """One launch shape of the kernel. dot=False multiplies on CUDA cores (a row or four need no tensor core).
+    preload=True gives each program one block of K (split_k is then K / block_k, rounded up) and loads its weights
+    before it waits for the kernel before (under PDL they arrive while that kernel still runs)."""
 
     block_n: int = 32
     block_k: int = 256
@@ -61,26 +66,35 @@ class LinearConfig:
     dot: bool = True
     num_warps: int = 4
     num_stages: int = 3
+    preload: bool = False
 
 
 DEFAULT_CONFIG = LinearConfig()
 
 
 @triton.jit
-def _k_block(acc, x_ptr, w_ptr, rm, rn, k, m_ok, n_ok, K, stride_xm, stride_wn, SWIGLU: tl.constexpr,
-             DOT: tl.constexpr, IEEE: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] += x[rm, k] @ w[rn, k]^T for one block of columns k of K."""
-    k_ok = k < K
-    x_mask = m_ok[:, None] & k_ok[None, :]
+def _x_block(x_ptr, rm, k, m_ok, K, stride_xm, SWIGLU: tl.constexpr):
+    """x[rm, k] for one block of columns k of K (silu(gate) * up for SWIGLU)."""
+    x_mask = m_ok[:, None] & (k < K)[None, :]
     x_at = x_ptr + rm[:, None] * stride_xm + k[None, :]
     if SWIGLU:  # x is [gate | up]: the rounding of engine.kernels.norm.swiglu, step by step
         up = tl.load(x_at + K, mask=x_mask, other=0.0)
         g = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(up.dtype)
-        a = (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+        return (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
     else:
-        a = tl.load(x_at, mask=x_mask, other=0.0)
-    w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        return tl.load(x_at, mask=x_mask, other=0.0)
+
+
+@triton.jit
+def _w_block(w_ptr, rn, k, n_ok, K, stride_wn):
+    """w[rn, k]: one [BLOCK_N, BLOCK_K] tile of the weight."""
+    return tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _product(acc, a, w, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T."""
     if DOT:
         if IEEE:
             acc += tl.dot(a, tl.trans(w), input_precision="ieee")
@@ -92,10 +106,18 @@ def _k_block(acc, x_ptr, w_ptr, rm, rn, k, m_ok, n_ok, K, stride_xm, stride_wn, 
 
 
 @triton.jit
+def _k_block(acc, x_ptr, w_ptr, rm, rn, k, m_ok, n_ok, K, stride_xm, stride_wn, SWIGLU: tl.constexpr,
+             DOT: tl.constexpr, IEEE: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += x[rm, k] @ w[rn, k]^T for one block of columns k of K."""
+    a = _x_block(x_ptr, rm, k, m_ok, K, stride_xm, SWIGLU)
+    return _product(acc, a, _w_block(w_ptr, rn, k, n_ok, K, stride_wn), DOT, IEEE)
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_ym, split_k,
                    k_span, SWIGLU: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
                    INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GDC: tl.constexpr, LINE: tl.constexpr):
+                   GDC: tl.constexpr, LINE: tl.constexpr, PRELOAD: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -106,19 +128,26 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * k_span  # k_span is a multiple of BLOCK_K: the slices tile K without overlap
     k_hi = k_lo + k_span
-    if GDC:  # the weights never depend on the kernel before: pull this program's slice into L2 while it runs
-        w_rows = w_ptr + tl.minimum(rn, N - 1)[:, None] * stride_wn
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            prefetch_l2(w_rows + tl.minimum(k0 + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)[None, :])
-    wait_inputs(GDC)
-    if INTERPRET:  # triton 3.6's interpreter cannot take a device scalar as a range() bound (numpy >= 2)
-        k0 = k_lo
-        while k0 < k_hi:
-            acc = _k_block(acc, x_ptr, w_ptr, rm, rn, k0 + rk, m_ok, n_ok, K, stride_xm, stride_wn, SWIGLU, DOT, IEEE)
-            k0 += BLOCK_K
+    if PRELOAD:  # the slice is one block, read into registers before the wait: under PDL while the kernel before runs
+        w = _w_block(w_ptr, rn, k_lo + rk, n_ok, K, stride_wn)
+        wait_inputs(GDC)
+        acc = _product(acc, _x_block(x_ptr, rm, k_lo + rk, m_ok, K, stride_xm, SWIGLU), w, DOT, IEEE)
     else:
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            acc = _k_block(acc, x_ptr, w_ptr, rm, rn, k0 + rk, m_ok, n_ok, K, stride_xm, stride_wn, SWIGLU, DOT, IEEE)
+        if GDC:  # the weights never depend on the kernel before: pull this program's slice into L2 while it runs
+            w_rows = w_ptr + tl.minimum(rn, N - 1)[:, None] * stride_wn
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                prefetch_l2(w_rows + tl.minimum(k0 + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)[None, :])
+        wait_inputs(GDC)
+        if INTERPRET:  # triton 3.6's interpreter cannot take a device scalar as a range() bound (numpy >= 2)
+            k0 = k_lo
+            while k0 < k_hi:
+                acc = _k_block(acc, x_ptr, w_ptr, rm, rn, k0 + rk, m_ok, n_ok, K, stride_xm, stride_wn, SWIGLU, DOT,
+                               IEEE)
+                k0 += BLOCK_K
+        else:
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                acc = _k_block(acc, x_ptr, w_ptr, rm, rn, k0 + rk, m_ok, n_ok, K, stride_xm, stride_wn, SWIGLU, DOT,
+                               IEEE)
     out_mask = m_ok[:, None] & n_ok[None, :]
     y_at = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     if not SPLIT:
@@ -175,6 +204,8 @@ def skinny_linear(x: Tensor, weight: Tensor, config: LinearConfig = DEFAULT_CONF
         return y.view(*x.shape[:-1], N)
     blocks = triton.cdiv(N, config.block_n)
     splits = max(1, min(config.split_k, triton.cdiv(K, config.block_k)))
+    if config.preload:
+        splits = triton.cdiv(K, config.block_k)
     k_span = triton.cdiv(triton.cdiv(K, splits), config.block_k) * config.block_k
     splits = triton.cdiv(K, k_span)
     part = torch.empty(splits if splits > 1 else 0, M, N, dtype=torch.float32, device=x.device)
@@ -183,8 +214,8 @@ def skinny_linear(x: Tensor, weight: Tensor, config: LinearConfig = DEFAULT_CONF
         x2, weight, y, part, tickets, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), splits, k_span,
         SWIGLU=swiglu, DOT=config.dot, IEEE=x.dtype == torch.float32, SPLIT=splits > 1,
         INTERPRET=_INTERPRET, BLOCK_M=block_m(M, config.dot), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        LINE=min(config.block_k, L2_LINE_BYTES // weight.element_size()), num_warps=config.num_warps,
-        num_stages=config.num_stages, **launch_options(x.device))
+        LINE=min(config.block_k, L2_LINE_BYTES // weight.element_size()), PRELOAD=config.preload,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device))
     return y.view(*x.shape[:-1], N)
 
 
@@ -246,8 +277,20 @@ def choose(device: torch.device, N: int, K: int, rows: int, swiglu: bool,
     per_gpu = table().get(_device_name(device), {}) if dtype == TUNED_DTYPE else {}
     entry = per_gpu.get(entry_key(N, K, swiglu, rows))
     if force == "triton":
-        return LinearConfig(**entry["skinny"]) if entry and entry["skinny"] else DEFAULT_CONFIG
-    return LinearConfig(**entry["skinny"]) if entry and entry["use"] == "skinny" else None
+        config = LinearConfig(**entry["skinny"]) if entry and entry["skinny"] else DEFAULT_CONFIG
+    else:
+        config = LinearConfig(**entry["skinny"]) if entry and entry["use"] == "skinny" else None
+    return _preloaded(config)
+
+
+def _preloaded(config: LinearConfig | None) -> LinearConfig | None:
+    """config as VOICELANE_LINEAR_PRELOAD asks (unset or "off": unchanged; a power of two: that block_k, preload)."""
+    value = os.environ.get(PRELOAD_ENV, "off").strip().lower() or "off"
+    if config is None or value == "off":
+        return config
+    if not value.isdigit() or int(value) < 16 or int(value) & (int(value) - 1):
+        raise ValueError(f"{PRELOAD_ENV}={value!r}: a power of two >= 16 (the K block), or off")
+    return replace(config, block_k=int(value), preload=True)
 
 
 def linear(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
@@ -265,7 +308,8 @@ def kernels_status() -> dict:
     """For readiness: the GPUs the table was tuned on, and how many shapes take the Triton kernel on each."""
     return {"skinny_linear_tuned_for": {gpu: sum(v["use"] == "skinny" for v in entries.values())
                                         for gpu, entries in table().items()},
-            "skinny_linear_force": os.environ.get(FORCE_ENV) or None}
+            "skinny_linear_force": os.environ.get(FORCE_ENV) or None,
+            "skinny_linear_preload": os.environ.get(PRELOAD_ENV) or None}
 
 
 def config_dict(config: LinearConfig | None) -> dict | None:
