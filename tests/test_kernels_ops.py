@@ -328,3 +328,50 @@ def test_programmatic_dependent_launch_is_off_by_default_and_refused_where_it_ca
     finally:
         monkeypatch.delenv(kernels.PDL_ENV, raising=False)
         kernels.reset_pdl()
+
+
+def test_programmatic_dependent_launch_for_named_parts_of_the_model_only(monkeypatch):
+    gpu = torch.device("cuda", 0)  # decided without touching a GPU: an sm_90 outside triton's interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    on = {"GDC": True, "launch_pdl": True}
+    try:
+        with kernels.pdl_mode("code_predictor"):
+            assert kernels.launch_options(gpu) == {"GDC": False}  # a kernel outside every part (the samplers)
+            with kernels.model_part("talker"):
+                assert kernels.launch_options(gpu) == {"GDC": False}
+            with kernels.model_part("code_predictor"):
+                assert kernels.launch_options(gpu) == on
+            assert kernels.kernels_status()["pdl"]["cuda:0"]["parts"] == ["code_predictor"]
+        with kernels.pdl_mode("talker,code_predictor"), kernels.model_part("talker"):
+            assert kernels.launch_options(gpu) == on
+        with kernels.pdl_mode("on"):
+            assert kernels.launch_options(gpu) == on
+            assert kernels.kernels_status()["pdl"]["cuda:0"]["parts"] == "all"
+        with pytest.raises(ValueError, match="parts of the model"), kernels.pdl_mode("code_predictor,codec"):
+            pass
+        with pytest.raises(ValueError, match="one of talker, code_predictor"), kernels.model_part("codec"):
+            pass
+    finally:
+        kernels.reset_pdl()
+
+
+def test_the_model_names_its_parts_around_their_launches(monkeypatch):
+    from engine.kernels import norm
+    from engine.kernels.pdl import _PART
+    from engine.model.generate import Frame, GenerationRequest, generate
+    from engine.model.prompt import build_prompt, resolve_voice
+    from engine.model.random_model import build_random_model
+    from engine.model.sampling_params import SamplingParams
+
+    model = build_random_model("tiny", seed=5)
+    parts = []
+    real = norm.launch_options
+    monkeypatch.setattr(norm, "launch_options", lambda device: parts.append(_PART.get()) or real(device))
+    voice = resolve_voice(model.config, "ryan", "english")
+    text = list(range(1000, 1006))
+    request = GenerationRequest(build_prompt(model.config, voice, text, "whole", None), text, "whole",
+                                SamplingParams(temperature=0.0, sub_temperature=0.0, max_frames=2))
+    with kernels.backend("triton"):
+        frames = [e for e in generate(model.tts, [request]) if isinstance(e, Frame)]
+    assert frames and set(parts) == {"talker", "code_predictor"}  # every norm launch inside one of the two

@@ -26,9 +26,18 @@ from dataclasses import asdict
 
 import torch
 
-from engine.kernels.pdl import PDL_ENV, KernelsUnavailable, launch_options, pdl, pdl_mode, pdl_status, reset_pdl
+from engine.kernels.pdl import (
+    PDL_ENV,
+    KernelsUnavailable,
+    launch_options,
+    model_part,
+    pdl,
+    pdl_mode,
+    pdl_status,
+    reset_pdl,
+)
 
-__all__ = ["KernelsUnavailable", "PDL_ENV", "launch_options", "pdl", "pdl_mode", "reset_pdl"]
+__all__ = ["KernelsUnavailable", "PDL_ENV", "launch_options", "model_part", "pdl", "pdl_mode", "reset_pdl"]
 
 log = logging.getLogger("voicelane.kernels")
 

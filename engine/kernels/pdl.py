@@ -4,7 +4,9 @@ Under PDL each Triton kernel of the hot path is launched while the kernel before
 device for that kernel's writes (engine/kernels/gdc.py) and lets the next one launch in turn; the skinny GEMM
 also pulls its weights into L2 before it waits. VOICELANE_PDL=on turns it on; it is off by default because it
 measured no faster on the H200 (docs/PERFORMANCE.md: the Talker and the prefill slower, the Code Predictor within
-noise). Kernel launch wrappers pass `**launch_options(device)`.
+noise). VOICELANE_PDL=code_predictor (or talker, or both, comma-separated) turns it on for the kernels launched
+inside that part of the model only (`model_part`, set by the model): a part that gains keeps it, one that loses
+does not. Kernel launch wrappers pass `**launch_options(device)`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 
@@ -20,6 +23,8 @@ log = logging.getLogger("voicelane.kernels")
 
 PDL_ENV = "VOICELANE_PDL"
 PDL_CHOICES = ("off", "on")
+PDL_PARTS = ("talker", "code_predictor")  # the model's parts that name themselves (model_part)
+_PART: ContextVar[str | None] = ContextVar("voicelane_model_part", default=None)
 
 
 class KernelsUnavailable(RuntimeError):
@@ -27,44 +32,76 @@ class KernelsUnavailable(RuntimeError):
     sm_90)."""
 
 
-_pdl_devices: dict[str, tuple[bool, str]] = {}
+_pdl_devices: dict[str, tuple[bool, str, frozenset[str] | None]] = {}
 _pdl_override: str | None = None
 
 
-def _pdl_decision(device: torch.device) -> tuple[bool, str]:
-    """(PDL on, why) for Triton launches on `device`: off unless VOICELANE_PDL=on, which where the device cannot
-    (before sm_90, the CPU) is an error, not a silent fallback."""
+def _wanted() -> tuple[str, frozenset[str] | None]:
+    """(the setting, the parts it names; None: every kernel)."""
     wanted = _pdl_override or os.environ.get(PDL_ENV, "off").strip().lower() or "off"
-    if wanted not in PDL_CHOICES:
-        raise ValueError(f"{PDL_ENV}={wanted!r}: choose one of {', '.join(PDL_CHOICES)}")
+    if wanted in PDL_CHOICES:
+        return wanted, None
+    parts = frozenset(part.strip() for part in wanted.split(","))
+    if not parts <= set(PDL_PARTS):
+        raise ValueError(f"{PDL_ENV}={wanted!r}: choose one of {', '.join(PDL_CHOICES)}, or parts of the model "
+                         f"({', '.join(PDL_PARTS)}, comma-separated)")
+    return wanted, parts
+
+
+def _pdl_decision(device: torch.device) -> tuple[bool, str, frozenset[str] | None]:
+    """(PDL on, why, the parts it is on for; None: all) for Triton launches on `device`: off unless VOICELANE_PDL
+    asks, which where the device cannot (before sm_90, the CPU) is an error, not a silent fallback."""
+    wanted, parts = _wanted()
     if wanted == "off":
-        return False, f"{PDL_ENV}=off (the default: no faster on the H200)"
+        return False, f"{PDL_ENV}=off (the default: no faster on the H200)", None
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         why = "not a CUDA device" if device.type != "cuda" else "triton's interpreter"
     elif torch.cuda.get_device_capability(device) < (9, 0):
         why = f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))} (PDL needs sm_90 or later)"
     else:
-        return True, f"{PDL_ENV}=on: Triton kernels launch as programmatic dependents"
-    raise KernelsUnavailable(f"{PDL_ENV}=on, but {why}")
+        where = "every Triton kernel" if parts is None else f"the Triton kernels of {', '.join(sorted(parts))}"
+        return True, f"{PDL_ENV}={wanted}: {where} launch as programmatic dependents", parts
+    raise KernelsUnavailable(f"{PDL_ENV}={wanted}, but {why}")
 
 
 def pdl(device: torch.device) -> bool:
-    """Whether Triton kernels on `device` launch with programmatic dependent launch (decided once per device)."""
+    """Whether Triton kernels on `device` (all, or those of the parts VOICELANE_PDL names) launch with
+    programmatic dependent launch (decided once per device)."""
+    return _decided(device)[0]
+
+
+def _decided(device: torch.device) -> tuple[bool, str, frozenset[str] | None]:
     key = str(device)
     if key not in _pdl_devices:
         _pdl_devices[key] = _pdl_decision(device)
         log.info("programmatic dependent launch on %s: %s", key, _pdl_devices[key][1])
-    return _pdl_devices[key][0]
+    return _pdl_devices[key]
 
 
 def launch_options(device: torch.device) -> dict:
-    """Keyword arguments for a kernel launch with a `GDC` constexpr: PDL on or off for this device."""
-    return {"GDC": True, "launch_pdl": True} if pdl(device) else {"GDC": False}
+    """Keyword arguments for a kernel launch with a `GDC` constexpr: PDL on or off for this device and part."""
+    on, _, parts = _decided(device)
+    if on and (parts is None or _PART.get() in parts):
+        return {"GDC": True, "launch_pdl": True}
+    return {"GDC": False}
+
+
+@contextlib.contextmanager
+def model_part(name: str) -> Iterator[None]:
+    """Kernels launched (and graphs captured) inside belong to this part of the model (one of PDL_PARTS)."""
+    if name not in PDL_PARTS:
+        raise ValueError(f"model part {name!r}: one of {', '.join(PDL_PARTS)}")
+    token = _PART.set(name)
+    try:
+        yield
+    finally:
+        _PART.reset(token)
 
 
 def pdl_status() -> dict:
     """{device: {"enabled", "reason"}} for the devices decided so far."""
-    return {device: {"enabled": on, "reason": why} for device, (on, why) in _pdl_devices.items()}
+    return {device: {"enabled": on, "reason": why, "parts": sorted(parts) if parts else "all" if on else None}
+            for device, (on, why, parts) in _pdl_devices.items()}
 
 
 def reset_pdl() -> None:
@@ -77,9 +114,12 @@ def pdl_mode(value: str) -> Iterator[None]:
     """VOICELANE_PDL overridden for a with-block (a GPU check compares both in one process: kernels launched and
     graphs captured inside it use `value`)."""
     global _pdl_override
-    if value not in PDL_CHOICES:
-        raise ValueError(f"PDL mode {value!r}: choose one of {', '.join(PDL_CHOICES)}")
     before, _pdl_override = _pdl_override, value
+    try:
+        _wanted()
+    except ValueError:
+        _pdl_override = before
+        raise
     _pdl_devices.clear()
     try:
         yield

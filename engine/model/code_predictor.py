@@ -90,34 +90,35 @@ class CodePredictor(nn.Module):
         forced [B, 15] (teacher forcing, tests): feed these codes instead of the chosen ones.
         Returns codes [B, 15] int64 and, with keep_logits, logits [B, 15, V] float32.
         """
-        B = hidden.shape[0]
-        device, dtype = hidden.device, hidden.dtype
-        cache = cache if cache is not None else self.new_cache(B, device, dtype)
-        rows = torch.arange(B, device=device)
-        # Positions are the same every frame: build RoPE tables and masks for all 16 once, slice per forward.
-        every = AttentionBatch.build(self.cfg, rows, torch.arange(self.positions, device=device).expand(B, -1),
-                                     self.positions, dtype)
-        x = self.small_to_mtp_projection(torch.stack((hidden, code0_embedding), dim=1))  # [B, 2, H_cp]
-        forward = self._forward_kernel(device, B)
-        codes, logits_seen = [], []
-        for group in range(1, self.groups + 1):
-            span = slice(0, 2) if group == 1 else slice(group, group + 1)
-            batch = AttentionBatch(rows, every.positions[:, span], every.blocked[:, :, span], every.cos[:, span],
-                                   every.sin_signed[:, span])
-            if forward is not None:
-                logits = forward(group, x.contiguous(), batch, cache)
-            else:
-                h = self.model.run(x, batch, cache)[:, -1]  # [B, H_cp]
-                logits = dense(h, self.lm_head[group - 1].weight)  # [B, V] model dtype: the sampler reads it
-            code = choose(group, logits)
-            if forced is not None:
-                code = forced[:, group - 1]
-            codes.append(code)
-            if keep_logits:
-                logits_seen.append(logits.float())
-            if group < self.groups:
-                x = self._next_input(group, code)
-        return torch.stack(codes, dim=1), (torch.stack(logits_seen, dim=1) if keep_logits else None)
+        with kernels.model_part("code_predictor"):  # its launches (PDL per part: engine.kernels.pdl)
+            B = hidden.shape[0]
+            device, dtype = hidden.device, hidden.dtype
+            cache = cache if cache is not None else self.new_cache(B, device, dtype)
+            rows = torch.arange(B, device=device)
+            # Positions are the same every frame: build RoPE tables and masks for all 16 once, slice per forward.
+            every = AttentionBatch.build(self.cfg, rows, torch.arange(self.positions, device=device).expand(B, -1),
+                                         self.positions, dtype)
+            x = self.small_to_mtp_projection(torch.stack((hidden, code0_embedding), dim=1))  # [B, 2, H_cp]
+            forward = self._forward_kernel(device, B)
+            codes, logits_seen = [], []
+            for group in range(1, self.groups + 1):
+                span = slice(0, 2) if group == 1 else slice(group, group + 1)
+                batch = AttentionBatch(rows, every.positions[:, span], every.blocked[:, :, span], every.cos[:, span],
+                                       every.sin_signed[:, span])
+                if forward is not None:
+                    logits = forward(group, x.contiguous(), batch, cache)
+                else:
+                    h = self.model.run(x, batch, cache)[:, -1]  # [B, H_cp]
+                    logits = dense(h, self.lm_head[group - 1].weight)  # [B, V] model dtype: the sampler reads it
+                code = choose(group, logits)
+                if forced is not None:
+                    code = forced[:, group - 1]
+                codes.append(code)
+                if keep_logits:
+                    logits_seen.append(logits.float())
+                if group < self.groups:
+                    x = self._next_input(group, code)
+            return torch.stack(codes, dim=1), (torch.stack(logits_seen, dim=1) if keep_logits else None)
 
     def _forward_kernel(self, device, rows: int) -> Callable[[int, Tensor, AttentionBatch, KVCache], Tensor] | None:
         """The one-kernel forward of engine.kernels.cp_forward when it is switched on and takes `rows` rows (the

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine import kernels
 from engine.model.code_predictor import CodePredictor
 from engine.model.config import TalkerConfig
 from engine.model.layers import AttentionBatch, DecoderStack, FusedRows, KVCache, dense
@@ -82,10 +83,11 @@ class Talker(nn.Module):
         last [B] int64: which of the T positions gives each row's output; valid_len [B]: columns a row wrote.
         Returns the final-norm hidden state [B, hidden] and code-0 logits [B, vocab] float32 at `last`.
         """
-        batch = AttentionBatch.build(self.cfg.stack, slots, positions, kv_len, x.dtype, valid_len)
-        hidden = self.model.run(x, batch, cache)  # [B, T, hidden]
-        if x.shape[1] == 1:  # a decode step: `last` can only be 0, and a view needs no gather kernel
-            hidden = hidden[:, 0]
-        else:
-            hidden = hidden[torch.arange(x.shape[0], device=x.device), last]  # [B, hidden]
-        return hidden, dense(hidden, self.codec_head.weight).float()
+        with kernels.model_part("talker"):  # its launches (PDL per part: engine.kernels.pdl)
+            batch = AttentionBatch.build(self.cfg.stack, slots, positions, kv_len, x.dtype, valid_len)
+            hidden = self.model.run(x, batch, cache)  # [B, T, hidden]
+            if x.shape[1] == 1:  # a decode step: `last` can only be 0, and a view needs no gather kernel
+                hidden = hidden[:, 0]
+            else:
+                hidden = hidden[torch.arange(x.shape[0], device=x.device), last]  # [B, hidden]
+            return hidden, dense(hidden, self.codec_head.weight).float()
