@@ -53,7 +53,9 @@ def test_profile_stages_times_and_counts_every_stage(tmp_path):
     out = tmp_path / "stages.json"
     main(["--model", "tiny-random", "--device", "cpu", "--batches", "1", "3", "--prompt-lens", "8", "40",
           "--chunks", "1", "5", "--graphs", "off", "emulate", "--repeat", "1", "--out", str(out)])
-    rows = json.loads(out.read_text())["rows"]
+    record = json.loads(out.read_text())
+    rows = record["rows"]
+    assert record["kernels"]["compile"]["parts"] == [] and record["kernels"]["cuda_kernels"] in ("triton", "torch")
     seen = {(r["stage"], r["batch"], r.get("prompt_len", r.get("chunk")), r["graphs"]) for r in rows}
     for mode in ("off", "emulate"):
         for b in (1, 3):

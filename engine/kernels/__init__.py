@@ -11,7 +11,8 @@ beside each one. The model code asks `use_triton(device)` per call:
 - VOICELANE_KERNELS=torch forces the PyTorch path everywhere (a GPU baseline).
 
 Programmatic dependent launch (VOICELANE_PDL, off by default): engine/kernels/pdl.py decides, engine/kernels/gdc.py
-holds the kernels' side; `kernels_status()` reports it for /ready.
+holds the kernels' side; `kernels_status()` reports it for /ready. A part of the model compiled by torch.compile
+(VOICELANE_COMPILE, off by default: engine/kernels/compiled.py) runs the PyTorch path through inductor instead.
 
 The kernel modules are imported on first use only, so importing the model never imports triton.
 """
@@ -92,6 +93,8 @@ def backend(value: str) -> Iterator[None]:
 def use_triton(device: torch.device) -> bool:
     """Whether the model's kernels on `device` are the Triton ones (see the module docstring)."""
     global _logged_fallback
+    if torch.compiler.is_compiling():  # a compiled part (engine.kernels.compiled): inductor fuses the PyTorch path
+        return False
     wanted = choice()
     if wanted == "torch":
         return False
@@ -148,4 +151,7 @@ def kernels_status() -> dict:
                                 "tiles": asdict(Tiles.from_env()), "tiles_switch": TILES_ENV, "max_rows": MAX_ROWS,
                                 "layer_by_layer_rows": refused_rows()}
     status["pdl"] = pdl_status()
+    from engine.kernels.compiled import compile_status
+
+    status["compile"] = compile_status()
     return status

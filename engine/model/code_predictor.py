@@ -8,7 +8,8 @@ prepare_inference() (called once after the weights are loaded) stores P(Ecp[g]) 
 reads one row instead of an embedding lookup plus a Linear.
 
 On the Triton path with VOICELANE_CP_FORWARD=phased or persistent, each forward (the stack and the group's head) is
-engine.kernels.cp_forward: 26 launches a forward, or one.
+engine.kernels.cp_forward: 26 launches a forward, or one. With VOICELANE_COMPILE=code_predictor it is
+cp_forward_reference through torch.compile (engine.kernels.compiled).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class CodePredictor(nn.Module):
         # [groups - 1, V, H_cp]: P(Ecp[g]) for the inputs of forwards 2..15 (not in the checkpoint: derived)
         self.register_buffer("projected_codec_embedding", None, persistent=False)
         self._unprepared_logged = False
+        self._compiled: Callable | None = None  # the compiled forward (_compiled_forward), made on first use
 
     @torch.no_grad()
     def prepare_inference(self) -> None:
@@ -99,7 +101,7 @@ class CodePredictor(nn.Module):
             every = AttentionBatch.build(self.cfg, rows, torch.arange(self.positions, device=device).expand(B, -1),
                                          self.positions, dtype)
             x = self.small_to_mtp_projection(torch.stack((hidden, code0_embedding), dim=1))  # [B, 2, H_cp]
-            forward = self._forward_kernel(device, B)
+            forward = self._forward_kernel(device, B) or self._compiled_forward()
             codes, logits_seen = [], []
             for group in range(1, self.groups + 1):
                 span = slice(0, 2) if group == 1 else slice(group, group + 1)
@@ -138,6 +140,22 @@ class CodePredictor(nn.Module):
             return cp_forward(self.model, x, batch.cos, batch.sin_signed, cache.k, cache.v, batch.slots,
                               batch.positions, self.model.norm.weight, self.lm_head[group - 1].weight, mode,
                               counters[group - 1] if counters is not None else None)
+        return forward
+
+    def _compiled_forward(self) -> Callable[[int, Tensor, AttentionBatch, KVCache], Tensor] | None:
+        """The forward (stack and head) through torch.compile when VOICELANE_COMPILE names the Code Predictor
+        (engine.kernels.compiled), else None. One compiled function for every group: the head is an argument, and
+        the group's positions, RoPE rows and mask are views of tensors built once a frame."""
+        from engine.kernels.compiled import compile_parts, compiled
+
+        if "code_predictor" not in compile_parts():
+            return None
+        if self._compiled is None:
+            self._compiled = compiled("code_predictor", cp_forward_reference)
+
+        def forward(group: int, x: Tensor, batch: AttentionBatch, cache: KVCache) -> Tensor:
+            return self._compiled(self.model, x, batch.cos, batch.sin_signed, cache.k, cache.v, batch.slots,
+                                  batch.positions, self.model.norm.weight, self.lm_head[group - 1].weight)
         return forward
 
     def code_embeddings(self, codes: Tensor) -> list[Tensor]:

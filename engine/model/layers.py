@@ -118,8 +118,9 @@ class FusedRows:
 
     def current(self) -> Tensor:
         """The fused matrix, fused again first if a module's weight was replaced since (a stale one would
-        silently compute with old weights)."""
-        if not self.intact():
+        silently compute with old weights). Inside a compiled part (engine.kernels.compiled) it is skipped: dynamo
+        cannot trace a pointer comparison, so weights replaced after loading need prepare_inference() again."""
+        if not torch.compiler.is_compiling() and not self.intact():
             log.warning("fused weights were replaced after prepare_inference(); fusing them again")
             self._fuse()
         return self.weight

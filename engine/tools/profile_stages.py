@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from engine import kernels
 from engine.config import EngineConfig, SchedulerConfig
 from engine.graphs import CAPTURED_STAGES, GraphCaptureError
 from engine.model.codec_layers import LAYOUTS
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(a.out, "w") as f:
             json.dump({"model": a.model, "device": str(device), "dtype": str(dtype), "torch": torch.__version__,
                        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "rows": rows,
-                       "capture_failures": failures}, f,
+                       "capture_failures": failures, "kernels": kernels.kernels_status()}, f,
                       indent=1)
 
 

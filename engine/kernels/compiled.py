@@ -1,0 +1,98 @@
+"""Inductor-generated kernels for one part of the model: VOICELANE_COMPILE (off by default).
+
+VOICELANE_COMPILE=code_predictor runs the Code Predictor's forward (its stack and the group's head, not the
+sampler) through torch.compile. Inside the compiled region the model's PyTorch path is what gets traced
+(`engine.kernels.use_triton` says no while dynamo traces), and inductor fuses its glue (norms, q/k-norm, RoPE,
+the cache write, masks, residuals, SwiGLU) into generated Triton kernels around cuBLAS GEMMs. The result is
+launched like any other kernels, so the stage's own CUDA graph captures it (mode "default": torch.compile's own
+cudagraph trees are not used). Why not always: the hand-written kernels are the measured default, and a compile
+costs start-up time per part and batch bucket, which `compile_status()` reports with inductor's cache folder.
+
+Nothing falls back silently: `fullgraph=True` makes a graph break an error, and an error while compiling reaches
+the graph capture, which the runner reports (log and /ready). VOICELANE_COMPILE_BACKEND picks the backend:
+"inductor" (the default; on the CPU it needs a C++ compiler), or "aot_eager" (traced and functionalised like
+inductor's input, run eagerly: what the CPU tests use, since CI has no compiler).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger("voicelane.kernels")
+
+COMPILE_ENV = "VOICELANE_COMPILE"
+BACKEND_ENV = "VOICELANE_COMPILE_BACKEND"
+COMPILE_PARTS = ("code_predictor",)  # the parts with a compiled path
+BACKENDS = ("inductor", "aot_eager")
+# Dynamo keeps one compiled graph per input signature of a function (batch bucket x tokens): the engine's 8 buckets
+# and the first forward's 2 tokens need 16, over its default limit of 8, past which it would silently run eagerly.
+RECOMPILE_LIMIT = 64
+
+_compiles: list[dict] = []
+
+
+def compile_parts() -> frozenset[str]:
+    """The parts VOICELANE_COMPILE names ("off" or unset: none; "on": all)."""
+    wanted = os.environ.get(COMPILE_ENV, "off").strip().lower() or "off"
+    if wanted == "off":
+        return frozenset()
+    if wanted == "on":
+        return frozenset(COMPILE_PARTS)
+    parts = frozenset(part.strip() for part in wanted.split(","))
+    if not parts <= set(COMPILE_PARTS):
+        raise ValueError(f"{COMPILE_ENV}={wanted!r}: choose off, on, or parts of the model "
+                         f"({', '.join(COMPILE_PARTS)}, comma-separated)")
+    return parts
+
+
+def compile_backend() -> str:
+    backend = os.environ.get(BACKEND_ENV, "inductor").strip().lower() or "inductor"
+    if backend not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={backend!r}: choose one of {', '.join(BACKENDS)}")
+    return backend
+
+
+def compiled(part: str, fn: Callable) -> Callable:
+    """fn compiled for `part` (static shapes, no graph breaks). Each call that meets a new input signature is
+    timed (a compile, or a hit in inductor's cache) and recorded for compile_status()."""
+    if part not in COMPILE_PARTS:
+        raise ValueError(f"compiled part {part!r}: one of {', '.join(COMPILE_PARTS)}")
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+    backend = compile_backend()
+    graph_fn = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+    seen: set[tuple] = set()
+
+    def run(*args):
+        signature = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a) for a in args)
+        if signature in seen:
+            return graph_fn(*args)
+        start = time.perf_counter()
+        out = graph_fn(*args)
+        seconds = round(time.perf_counter() - start, 2)
+        seen.add(signature)
+        shape = next(list(s[0]) for s in signature if isinstance(s, tuple))  # the first tensor's: rows x tokens
+        _compiles.append({"part": part, "backend": backend, "shape": shape, "seconds": seconds})
+        log.info("compiled %s (%s) for input %s in %.2f s", part, backend, shape, seconds)
+        return out
+
+    return run
+
+
+def compile_status() -> dict:
+    """For /ready and benchmark records: the parts compiled, the backend, each compile's time, inductor's cache."""
+    parts = sorted(compile_parts())
+    status = {"parts": parts, "switch": COMPILE_ENV, "compiles": list(_compiles),
+              "compile_seconds": round(sum(c["seconds"] for c in _compiles), 2)}
+    if parts:
+        status["backend"] = compile_backend()
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        status["inductor_cache"] = cache_dir()
+    return status
