@@ -30,7 +30,7 @@ def own_model(tiny_checkpoint):
 
 @pytest.fixture
 def compile_cp(monkeypatch, own_model):
-    own_model.tts.talker.code_predictor._compiled = None  # each test compiles afresh
+    own_model.tts.talker.code_predictor._compiled = own_model.tts.talker._compiled = None  # each test compiles afresh
     monkeypatch.setenv("VOICELANE_COMPILE", "code_predictor")
     monkeypatch.setenv("VOICELANE_COMPILE_BACKEND", "aot_eager")
     monkeypatch.setattr(compiled_mod, "_compiles", [])
@@ -103,12 +103,13 @@ def test_compiled_forward_writes_the_frame_cache(own_model, compile_cp):
 
 
 def test_the_switch(monkeypatch):
-    for value, parts in (("", set()), ("off", set()), ("on", {"code_predictor"}), ("code_predictor",
-                                                                                      {"code_predictor"})):
+    both = {"code_predictor", "talker"}
+    for value, parts in (("", set()), ("off", set()), ("on", both), ("code_predictor", {"code_predictor"}),
+                         ("talker, code_predictor", both)):
         monkeypatch.setenv("VOICELANE_COMPILE", value)
         assert compile_parts() == parts
-    monkeypatch.setenv("VOICELANE_COMPILE", "talker")
-    with pytest.raises(ValueError, match="VOICELANE_COMPILE='talker'"):
+    monkeypatch.setenv("VOICELANE_COMPILE", "codec")
+    with pytest.raises(ValueError, match="VOICELANE_COMPILE='codec'"):
         compile_parts()
     monkeypatch.setenv("VOICELANE_COMPILE", "on")
     monkeypatch.setenv("VOICELANE_COMPILE_BACKEND", "cudagraphs")
@@ -128,3 +129,55 @@ def test_a_graph_break_is_an_error(compile_cp):
     with pytest.raises(torch._dynamo.exc.Unsupported):
         compiled("code_predictor", breaks)(torch.ones(3))
     assert compiled_mod._compiles == []
+
+
+def _greedy(model, frames: int) -> dict[int, torch.Tensor]:
+    from engine.model.generate import Frame, GenerationRequest, generate
+    from engine.model.prompt import build_prompt, resolve_voice
+    from engine.model.sampling_params import SamplingParams
+
+    voice = resolve_voice(model.config, "ryan", "english")
+    requests = []
+    for i, n in enumerate((3, 10)):
+        text = list(range(1000 + 7 * i, 1000 + 7 * i + n))
+        requests.append(GenerationRequest(build_prompt(model.config, voice, text, "whole", None), text, "whole",
+                                          SamplingParams(temperature=0.0, sub_temperature=0.0, max_frames=frames)))
+    codes: dict[int, list] = {}
+    for event in generate(model.tts, requests):
+        if isinstance(event, Frame):
+            codes.setdefault(event.request, []).append(event.codes)
+    return {r: torch.stack(c) for r, c in codes.items()}
+
+
+@torch.no_grad()
+def test_compiled_talker_and_code_predictor_generate_the_eager_codes(own_model, compile_cp, monkeypatch):
+    """Both parts compiled, the Triton kernels forced (the interpreter): the same greedy codes as the eager Triton
+    path, the Talker's decode steps compiled once per batch size (not per attention length), and attention inside
+    both compiled parts run as the Triton kernels' op."""
+    from engine.kernels import attention
+
+    monkeypatch.setenv("VOICELANE_COMPILE", "talker,code_predictor")
+    calls = []
+    real = attention.layer_attention
+    monkeypatch.setattr(attention, "layer_attention", lambda *a: calls.append(torch.compiler.is_compiling())
+                        or real(*a))
+    with kernels.backend("triton"):
+        compiled_codes = _greedy(own_model, 3)
+        assert calls and not any(calls)  # run by the op's implementation, not traced into the graph
+        monkeypatch.setenv("VOICELANE_COMPILE", "off")
+        eager_codes = _greedy(own_model, 3)
+    assert compiled_codes.keys() == eager_codes.keys() == {0, 1}
+    for r in eager_codes:
+        assert compiled_codes[r].shape == (3, 16) and torch.equal(compiled_codes[r], eager_codes[r]), r
+    talker = [c for c in compiled_mod._compiles if c["part"] == "talker"]
+    assert talker and all(c["shape"][1] == 1 for c in talker)  # decode steps only: the prefill stays eager
+    assert len({c["shape"][0] for c in talker}) == len(talker)  # one compile per batch size
+
+
+def test_compiled_talker_needs_the_attention_kernels(own_model, compile_cp, monkeypatch):
+    monkeypatch.setenv("VOICELANE_COMPILE", "talker")
+    talker = own_model.tts.talker
+    cache = talker.new_cache(2, 8, "cpu", torch.float32)
+    x = torch.zeros(1, 1, talker.cfg.stack.hidden_size)
+    with kernels.backend("torch"), pytest.raises(kernels.KernelsUnavailable, match="VOICELANE_COMPILE=talker"):
+        talker(x, torch.tensor([0]), torch.tensor([[0]]), cache, 1, last=torch.tensor([0]))

@@ -92,9 +92,19 @@ def backend(value: str) -> Iterator[None]:
 
 def use_triton(device: torch.device) -> bool:
     """Whether the model's kernels on `device` are the Triton ones (see the module docstring)."""
-    global _logged_fallback
     if torch.compiler.is_compiling():  # a compiled part (engine.kernels.compiled): inductor fuses the PyTorch path
         return False
+    return _triton_kernels(device)
+
+
+def compiled_attention(device: torch.device) -> bool:
+    """Inside a compiled part, whether attention runs the Triton kernels as one opaque op (where they would run
+    outside it): the PyTorch path would gather every row's keys and values, which inductor cannot avoid."""
+    return torch.compiler.is_compiling() and _triton_kernels(device)
+
+
+def _triton_kernels(device: torch.device) -> bool:
+    global _logged_fallback
     wanted = choice()
     if wanted == "torch":
         return False

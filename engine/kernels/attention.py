@@ -455,6 +455,18 @@ def short_attention(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight:
     return out
 
 
+def layer_attention(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos: Tensor,
+                    sin_signed: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor,
+                    valid_len: Tensor | None, num_heads: int) -> Tensor:
+    """One decoder layer's attention on the Triton path, from the projections to the output [B, T, H, D]:
+    short_attention where it fits (the Code Predictor's cache), else qk_norm_rope_store then cache_attention.
+    The arguments are qk_norm_rope_store's, plus cache_attention's valid_len and the query heads."""
+    args = (q, k, v, q_weight, k_weight, eps, cos, sin_signed, k_cache, v_cache, slots, positions)
+    if short_attention_fits(k_cache, q.shape[1], num_heads, valid_len):
+        return short_attention(*args)
+    return cache_attention(qk_norm_rope_store(*args), k_cache, v_cache, slots, positions, valid_len)
+
+
 def cache_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor,
                               valid_len: Tensor | None = None, kv_len: int | None = None) -> Tensor:
     """The PyTorch path (gathered keys and values, a mask, engine.model.attention_ops.attention); same contract.

@@ -22,12 +22,13 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 log = logging.getLogger("voicelane.kernels")
 
 COMPILE_ENV = "VOICELANE_COMPILE"
 BACKEND_ENV = "VOICELANE_COMPILE_BACKEND"
-COMPILE_PARTS = ("code_predictor",)  # the parts with a compiled path
+COMPILE_PARTS = ("code_predictor", "talker")  # the parts with a compiled path
 BACKENDS = ("inductor", "aot_eager")
 # Dynamo keeps one compiled graph per input signature of a function (batch bucket x tokens): the engine's 8 buckets
 # and the first forward's 2 tokens need 16, over its default limit of 8, past which it would silently run eagerly.
@@ -96,3 +97,23 @@ def compile_status() -> dict:
 
         status["inductor_cache"] = cache_dir()
     return status
+
+
+@torch.library.custom_op("voicelane::layer_attention", mutates_args=("k_cache", "v_cache"))
+def attention_op(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos: Tensor,
+                 sin_signed: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor,
+                 valid_len: Tensor | None, num_heads: int) -> Tensor:
+    """engine.kernels.attention.layer_attention as an op that dynamo records whole (it writes the caches in place,
+    declared so that functionalisation orders it against every other use of them)."""
+    from engine.kernels.attention import layer_attention
+
+    return layer_attention(q, k, v, q_weight, k_weight, eps, cos, sin_signed, k_cache, v_cache, slots, positions,
+                           valid_len, num_heads)
+
+
+@attention_op.register_fake
+def _attention_shape(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos: Tensor,
+                     sin_signed: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor,
+                     valid_len: Tensor | None, num_heads: int) -> Tensor:
+    B, T, _ = q.shape
+    return q.new_empty(B, T, num_heads, cos.shape[-1])

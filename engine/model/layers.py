@@ -171,7 +171,9 @@ class AttentionBatch:
 
     slots: Tensor  # [B] int64, cache rows of the batch rows
     positions: Tensor  # [B, T] int64, absolute position of each new token (RoPE angle and cache column)
-    blocked: Tensor  # [B, 1, T, S] bool, True where a new token may NOT attend cache column s < S
+    # [B, 1, T, S] bool, True where a new token may NOT attend cache column s < S; None where attention reads the
+    # cache in place by position (a compiled Talker step: engine.model.talker.decode_step)
+    blocked: Tensor | None
     cos: Tensor  # [B, T, head_dim], activation dtype
     sin_signed: Tensor  # [B, T, head_dim], signed_sin of the sine table
     valid_len: Tensor | None = None  # [B] int64: columns a row wrote (right-padded prefill), None: all of them
@@ -213,15 +215,18 @@ class Attention(nn.Module):
         """x [B, T, hidden]; k_cache, v_cache [slots, kv_heads, max_len, head_dim] of this layer."""
         B, T, _ = x.shape
         q, k, v = self.project(x)
-        if kernels.use_triton(x.device):
-            from engine.kernels import attention as fused
+        triton = kernels.use_triton(x.device)
+        if triton or kernels.compiled_attention(x.device):
+            args = (q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, batch.cos, batch.sin_signed,
+                    k_cache, v_cache, batch.slots, batch.positions, batch.valid_len, self.num_heads)
+            if triton:
+                from engine.kernels.attention import layer_attention
 
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, batch.cos, batch.sin_signed)
-            if fused.short_attention_fits(k_cache, T, self.num_heads, batch.valid_len):  # the Code Predictor's
-                out = fused.short_attention(q, k, v, *norms, k_cache, v_cache, batch.slots, batch.positions)
-            else:
-                q = fused.qk_norm_rope_store(q, k, v, *norms, k_cache, v_cache, batch.slots, batch.positions)
-                out = fused.cache_attention(q, k_cache, v_cache, batch.slots, batch.positions, batch.valid_len)
+                out = layer_attention(*args)
+            else:  # inside a compiled part: the same kernels, one opaque op that inductor schedules around
+                from engine.kernels.compiled import attention_op
+
+                out = attention_op(*args)
             return dense(out.view(B, T, -1), self.o_proj.weight)  # [B, T, H, D] -> [B, T, H * D]
         q = self.q_norm(q.view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)

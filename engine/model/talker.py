@@ -7,6 +7,8 @@ embedding; its prompt is built by engine.model.prompt. Module names mirror the c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -14,7 +16,7 @@ from torch import Tensor, nn
 from engine import kernels
 from engine.model.code_predictor import CodePredictor
 from engine.model.config import TalkerConfig
-from engine.model.layers import AttentionBatch, DecoderStack, FusedRows, KVCache, dense
+from engine.model.layers import AttentionBatch, DecoderStack, FusedRows, KVCache, dense, rope_cos_sin, signed_sin
 
 
 class TalkerStack(DecoderStack):
@@ -43,6 +45,7 @@ class Talker(nn.Module):
         self.codec_head = nn.Linear(cfg.stack.hidden_size, cfg.stack.vocab_size, bias=False)
         self.code_predictor = CodePredictor(cfg)
         self.frame_tables: FusedRows | None = None  # prepare_inference()
+        self._compiled: Callable | None = None  # the compiled decode step (_compiled_step), made on first use
 
     def new_cache(self, slots: int, max_len: int, device, dtype) -> KVCache:
         return KVCache.allocate(self.cfg.stack, slots, max_len, device, dtype)
@@ -84,6 +87,10 @@ class Talker(nn.Module):
         Returns the final-norm hidden state [B, hidden] and code-0 logits [B, vocab] float32 at `last`.
         """
         with kernels.model_part("talker"):  # its launches (PDL per part: engine.kernels.pdl)
+            if x.shape[1] == 1 and valid_len is None and (step := self._compiled_step(x.device)) is not None:
+                cos, sin = rope_cos_sin(positions, self.cfg.stack.head_dim, self.cfg.stack.rope_theta, x.dtype)
+                return step(self.model, x, slots, positions, cos, signed_sin(sin), cache.k, cache.v,
+                            self.codec_head.weight)
             batch = AttentionBatch.build(self.cfg.stack, slots, positions, kv_len, x.dtype, valid_len)
             hidden = self.model.run(x, batch, cache)  # [B, T, hidden]
             if x.shape[1] == 1:  # a decode step: `last` can only be 0, and a view needs no gather kernel
@@ -91,3 +98,28 @@ class Talker(nn.Module):
             else:
                 hidden = hidden[torch.arange(x.shape[0], device=x.device), last]  # [B, hidden]
             return hidden, dense(hidden, self.codec_head.weight).float()
+
+    def _compiled_step(self, device: torch.device) -> Callable | None:
+        """decode_step through torch.compile when VOICELANE_COMPILE names the Talker (engine.kernels.compiled),
+        else None. Its attention is the Triton kernels' op, which reads each row's cache in place: no mask and no
+        attention length among its inputs, so one compile serves every length bucket of a batch bucket."""
+        from engine.kernels.compiled import compile_parts, compiled
+
+        if "talker" not in compile_parts():
+            return None
+        if not kernels.use_triton(device):
+            raise kernels.KernelsUnavailable("VOICELANE_COMPILE=talker runs the Triton attention kernels inside the "
+                                             f"compiled step, and they do not run on {device}")
+        if self._compiled is None:
+            self._compiled = compiled("talker", decode_step)
+        return self._compiled
+
+
+def decode_step(stack: DecoderStack, x: Tensor, slots: Tensor, positions: Tensor, cos: Tensor, sin_signed: Tensor,
+                k_cache: Tensor, v_cache: Tensor, head: Tensor) -> tuple[Tensor, Tensor]:
+    """One new position of every row, as Talker.forward computes it: x [B, 1, hidden]; slots [B]; positions [B, 1];
+    cos, sin_signed [B, 1, head_dim]; the whole cache -> (final-norm hidden [B, hidden], logits [B, vocab] float32).
+    Attention must be the in-place Triton op (kernels.compiled_attention): the batch carries no mask."""
+    batch = AttentionBatch(slots, positions, None, cos, sin_signed)
+    hidden = stack.run(x, batch, KVCache(k_cache, v_cache))[:, 0]
+    return hidden, dense(hidden, head).float()
