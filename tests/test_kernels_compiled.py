@@ -117,6 +117,12 @@ def test_the_switch(monkeypatch):
         compiled("code_predictor", lambda x: x)
     with pytest.raises(ValueError, match="compiled part"):
         compiled("codec", lambda x: x)
+    monkeypatch.setenv("VOICELANE_COMPILE_BACKEND", "inductor")
+    monkeypatch.setenv("VOICELANE_COMPILE_MODE", "reduce-overhead")
+    with pytest.raises(ValueError, match="VOICELANE_COMPILE_MODE='reduce-overhead'.*nest"):
+        compiled("code_predictor", lambda x: x)
+    monkeypatch.setenv("VOICELANE_COMPILE_MODE", "max-autotune-no-cudagraphs")
+    assert compiled_mod.compile_status()["mode"] == "max-autotune-no-cudagraphs"
 
 
 def test_a_graph_break_is_an_error(compile_cp):

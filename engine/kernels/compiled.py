@@ -11,7 +11,10 @@ costs start-up time per part and batch bucket, which `compile_status()` reports 
 Nothing falls back silently: `fullgraph=True` makes a graph break an error, and an error while compiling reaches
 the graph capture, which the runner reports (log and /ready). VOICELANE_COMPILE_BACKEND picks the backend:
 "inductor" (the default; on the CPU it needs a C++ compiler), or "aot_eager" (traced and functionalised like
-inductor's input, run eagerly: what the CPU tests use, since CI has no compiler).
+inductor's input, run eagerly: what the CPU tests use, since CI has no compiler). VOICELANE_COMPILE_MODE picks
+inductor's mode: "default", or "max-autotune-no-cudagraphs" (GEMMs as autotuned Triton templates that can take
+their neighbours' elementwise work, at a far longer compile). The modes with cudagraphs are refused: the stage's
+graph already captures the compiled code, and torch.compile's own graphs cannot be captured inside another.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ COMPILE_ENV = "VOICELANE_COMPILE"
 BACKEND_ENV = "VOICELANE_COMPILE_BACKEND"
 COMPILE_PARTS = ("code_predictor", "talker")  # the parts with a compiled path
 BACKENDS = ("inductor", "aot_eager")
+MODE_ENV = "VOICELANE_COMPILE_MODE"
+MODES = ("default", "max-autotune-no-cudagraphs")
 # Dynamo keeps one compiled graph per input signature of a function (batch bucket x tokens): the engine's 8 buckets
 # and the first forward's 2 tokens need 16, over its default limit of 8, past which it would silently run eagerly.
 RECOMPILE_LIMIT = 64
@@ -58,6 +63,14 @@ def compile_backend() -> str:
     return backend
 
 
+def compile_mode() -> str:
+    mode = os.environ.get(MODE_ENV, "default").strip().lower() or "default"
+    if mode not in MODES:
+        raise ValueError(f"{MODE_ENV}={mode!r}: choose one of {', '.join(MODES)} (the modes with cudagraphs would "
+                         "nest torch.compile's graphs inside the stage's own)")
+    return mode
+
+
 def compiled(part: str, fn: Callable) -> Callable:
     """fn compiled for `part` (static shapes, no graph breaks). Each call that meets a new input signature is
     timed (a compile, or a hit in inductor's cache) and recorded for compile_status()."""
@@ -66,8 +79,9 @@ def compiled(part: str, fn: Callable) -> Callable:
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
-    backend = compile_backend()
-    graph_fn = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+    backend, mode = compile_backend(), compile_mode()
+    graph_fn = torch.compile(fn, backend=backend, mode=mode if backend == "inductor" else None, fullgraph=True,
+                             dynamic=False)
     seen: set[tuple] = set()
 
     def run(*args):
@@ -92,7 +106,7 @@ def compile_status() -> dict:
     status = {"parts": parts, "switch": COMPILE_ENV, "compiles": list(_compiles),
               "compile_seconds": round(sum(c["seconds"] for c in _compiles), 2)}
     if parts:
-        status["backend"] = compile_backend()
+        status["backend"], status["mode"] = compile_backend(), compile_mode()
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         status["inductor_cache"] = cache_dir()
