@@ -187,3 +187,15 @@ def test_compiled_talker_needs_the_attention_kernels(own_model, compile_cp, monk
     x = torch.zeros(1, 1, talker.cfg.stack.hidden_size)
     with kernels.backend("torch"), pytest.raises(kernels.KernelsUnavailable, match="VOICELANE_COMPILE=talker"):
         talker(x, torch.tensor([0]), torch.tensor([[0]]), cache, 1, last=torch.tensor([0]))
+
+
+def test_status_names_inductors_cache(monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setenv("VOICELANE_COMPILE", "talker")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert compiled_mod.compile_status()["inductor_cache"] == str(tmp_path)
+    monkeypatch.setitem(sys.modules, "torch._inductor.runtime.cache_dir_utils", None)  # torch moved its helper
+    assert compiled_mod.compile_status()["inductor_cache"] == str(tmp_path)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert compiled_mod.compile_status()["inductor_cache"].startswith("unknown (")

@@ -107,9 +107,7 @@ def compile_status() -> dict:
               "compile_seconds": round(sum(c["seconds"] for c in _compiles), 2)}
     if parts:
         status["backend"], status["mode"] = compile_backend(), compile_mode()
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-        status["inductor_cache"] = cache_dir()
+        status["inductor_cache"] = _inductor_cache()
     return status
 
 
@@ -131,3 +129,12 @@ def _attention_shape(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight
                      valid_len: Tensor | None, num_heads: int) -> Tensor:
     B, T, _ = q.shape
     return q.new_empty(B, T, num_heads, cos.shape[-1])
+
+
+def _inductor_cache() -> str:
+    """Inductor's cache folder (a private helper of torch's: if it moves, say so rather than break /ready)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError as exc:
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or f"unknown ({exc})"
+    return cache_dir()
