@@ -199,3 +199,12 @@ def test_status_names_inductors_cache(monkeypatch, tmp_path):
     assert compiled_mod.compile_status()["inductor_cache"] == str(tmp_path)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     assert compiled_mod.compile_status()["inductor_cache"].startswith("unknown (")
+
+
+def test_past_the_recompile_limit_is_an_error(compile_cp):
+    """Dynamo's default past its limit is to run eagerly with a warning; a compiled part raises instead."""
+    step = compiled("talker", lambda x: x + 1)
+    for n in range(1, compiled_mod.RECOMPILE_LIMIT + 1):
+        assert torch.equal(step(torch.zeros(n)), torch.ones(n))
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        step(torch.zeros(compiled_mod.RECOMPILE_LIMIT + 1))

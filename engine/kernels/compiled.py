@@ -36,7 +36,8 @@ BACKENDS = ("inductor", "aot_eager")
 MODE_ENV = "VOICELANE_COMPILE_MODE"
 MODES = ("default", "max-autotune-no-cudagraphs")
 # Dynamo keeps one compiled graph per input signature of a function (batch bucket x tokens): the engine's 8 buckets
-# and the first forward's 2 tokens need 16, over its default limit of 8, past which it would silently run eagerly.
+# and the first forward's 2 tokens need 16, over its default limit of 8, past which it would run eagerly with only
+# a warning; here the limit is 64 and hitting it is an error.
 RECOMPILE_LIMIT = 64
 
 _compiles: list[dict] = []
@@ -79,6 +80,7 @@ def compiled(part: str, fn: Callable) -> Callable:
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+    dynamo.fail_on_recompile_limit_hit = True
     backend, mode = compile_backend(), compile_mode()
     graph_fn = torch.compile(fn, backend=backend, mode=mode if backend == "inductor" else None, fullgraph=True,
                              dynamic=False)
