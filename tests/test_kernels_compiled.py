@@ -177,7 +177,9 @@ def test_compiled_talker_and_code_predictor_generate_the_eager_codes(own_model, 
         assert compiled_codes[r].shape == (3, 16) and torch.equal(compiled_codes[r], eager_codes[r]), r
     talker = [c for c in compiled_mod._compiles if c["part"] == "talker"]
     assert talker and all(c["shape"][1] == 1 for c in talker)  # decode steps only: the prefill stays eager
-    assert len({c["shape"][0] for c in talker}) == len(talker)  # one compile per batch size
+    # every graph dynamo made is one of the recorded input signatures: the attention length, which changes every
+    # frame, made none of its own
+    assert counters["stats"]["unique_graphs"] == len(compiled_mod._compiles)
 
 
 def test_compiled_talker_needs_the_attention_kernels(own_model, compile_cp, monkeypatch):
