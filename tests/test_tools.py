@@ -92,6 +92,38 @@ def test_profile_stages_captures_the_graphs_of_the_stages_it_times():
         alone.runner.graphs.capture_all({"first_audio"})
 
 
+def test_profile_stages_captures_only_the_timed_shapes_and_writes_each_row(tmp_path, monkeypatch):
+    """--capture timed: a graph per timed (stage, batch) only, made on its warm-up call (a compiled part compiles
+    per bucket); the JSON is rewritten after every row, so a run killed at its time limit keeps its rows."""
+    from engine.graphs import GraphBank
+    from engine.tools import profile_stages
+
+    out = tmp_path / "stages.json"
+    seen_by_row: list[int] = []
+    entries = []
+    real_entry = GraphBank._entry
+
+    def entry(self, batch, key):  # every graph the runner asks for
+        entries.append((self.name, batch))
+        return real_entry(self, batch, key)
+
+    def measured_so_far(row):
+        seen_by_row.append(len(json.loads(out.read_text())["rows"]))
+
+    monkeypatch.setattr(GraphBank, "_entry", entry)
+    real_profile = profile_stages.profile
+    monkeypatch.setattr(profile_stages, "profile", lambda *args, on_row, **kw: real_profile(
+        *args, **kw, on_row=lambda row: (on_row(row), measured_so_far(row))))
+    profile_stages.main(["--model", "tiny-random", "--device", "cpu", "--batches", "1", "3", "--prompt-lens", "8",
+                         "--stages", "code_predictor", "--graphs", "emulate", "--capture", "timed", "--repeat", "1",
+                         "--cached-lens", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["complete"] and [(r["stage"], r["batch"]) for r in record["rows"]] == [
+        ("code_predictor", 1), ("code_predictor", 3)]
+    assert seen_by_row == [1, 2]
+    assert {b for name, b in entries if name == "code_predictor"} == {1, 3}  # buckets 1 and 3 only, not 2
+
+
 def test_profile_stages_measures_the_codec_in_every_layout(tmp_path):
     """--codec-layouts: the codec stage once per activation layout, the other stages once."""
     from engine.tools.profile_stages import main

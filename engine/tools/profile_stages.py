@@ -30,6 +30,7 @@ import contextlib
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -102,7 +103,7 @@ def _time(fn, repeat: int) -> float:
 
 class StageProfiler:
     def __init__(self, loaded, graphs: str, max_slots: int, prompt_cap: int,
-                 stages: frozenset[str] = frozenset(CAPTURED_STAGES)):
+                 stages: frozenset[str] = frozenset(CAPTURED_STAGES), capture: str = "all"):
         self.loaded = loaded
         cfg = EngineConfig(scheduler=SchedulerConfig(max_slots=max_slots), max_frames=256,
                            max_prompt_tokens=max(prompt_cap + 32, 256),  # the server's prefill graphs
@@ -110,7 +111,9 @@ class StageProfiler:
         self.runner = Runner(loaded, cfg)
         self.prefix_cache, self.no_prefix_cache = self.runner.prefix_cache, PrefixLRU(0, 0)
         self.graphs_captured = 0
-        if self.runner.graphs is not None:  # GraphCaptureError propagates: "on" must not silently mean eager
+        # capture "timed": no graph until a timed shape's warm-up call needs it (a compiled part compiles per
+        # bucket, so capturing all of them would cost minutes of compiles that nothing times)
+        if self.runner.graphs is not None and capture == "all":  # GraphCaptureError propagates
             self.graphs_captured = self.runner.graphs.capture_all(stages)[0]
         self.voice = resolve_voice(loaded.config, next(iter(loaded.config.talker.speaker_ids)), "auto")
         self.sampling = SamplingParams(seed=1, max_frames=256)
@@ -160,12 +163,13 @@ STAGES = frozenset({"prefill", "talker", "code_predictor", "codec", "first_audio
 
 
 def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chunks: list[int],
-            repeat: int, cached_lens: list[int] = (), stages: frozenset[str] = STAGES) -> list[dict]:
-    """Rows for each of `stages`, with the codec in loaded.codec's layout."""
+            repeat: int, cached_lens: list[int] = (), stages: frozenset[str] = STAGES, capture: str = "all",
+            on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
+    """Rows for each of `stages`, with the codec in loaded.codec's layout; on_row sees each row as it is measured."""
     # only the graphs of what is timed: the first-audio chain runs the prefill's, the Code Predictor's and the codec's
     captured = {"prefill", "code_predictor", "codec"} if "first_audio" in stages else set()
     p = StageProfiler(loaded, graphs, max(batches), max([*prompt_lens, *cached_lens]),
-                      frozenset(captured | (stages & set(CAPTURED_STAGES))))
+                      frozenset(captured | (stages & set(CAPTURED_STAGES))), capture)
     rows = []
     layout = loaded.codec.layout
 
@@ -180,6 +184,7 @@ def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chu
         rows.append({"stage": stage, "batch": batch, **extra, "graphs": graphs, "ms": round(ms, 3),
                      "kernels": breakdown["count"], "kernel_us": breakdown["total_us"],
                      "top_kernels": breakdown["top"]})
+        on_row(rows[-1])
 
     for b in batches:
         if "prefill" in stages:
@@ -220,6 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--codec-layouts", nargs="+", choices=LAYOUTS, default=None,
                     help="codec activation layouts to measure (default: the loaded codec's, VOICELANE_CODEC_LAYOUT)")
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--capture", choices=("all", "timed"), default="all",
+                    help="graphs captured before timing: every bucket of the stages (as the server does), or only "
+                         "the shapes timed, each on its warm-up call")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     device = torch.device(a.device)
@@ -229,6 +237,15 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     failures = {}
     layouts = a.codec_layouts or [loaded.codec.layout]
+
+    def write(done: bool) -> None:  # after every row too, so a run stopped at its time limit keeps what it measured
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({"model": a.model, "device": str(device), "dtype": str(dtype), "torch": torch.__version__,
+                           "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "rows": rows,
+                           "complete": done, "capture_failures": failures, "kernels": kernels.kernels_status()}, f,
+                          indent=1)
+
     with torch.inference_mode():
         for mode in modes:
             for i, layout in enumerate(layouts):
@@ -236,8 +253,9 @@ def main(argv: list[str] | None = None) -> None:
                 loaded.codec.prepare_inference()
                 try:
                     stages = frozenset(a.stages) if i == 0 else frozenset(a.stages) & {"codec"}
-                    rows += profile(loaded, mode, a.batches, a.prompt_lens, a.chunks, a.repeat,
-                                    a.cached_lens if i == 0 else [], stages)
+                    profile(loaded, mode, a.batches, a.prompt_lens, a.chunks, a.repeat,
+                            a.cached_lens if i == 0 else [], stages, a.capture,
+                            on_row=lambda row: (rows.append(row), write(False)))
                 except GraphCaptureError as exc:
                     failures[f"{mode}/{layout}"] = str(exc)
                     print(f"graphs {mode}, codec layout {layout}: capture FAILED, not measured: {exc}")
@@ -254,12 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         print(f"{r['stage']:<15} {r['batch']:>5} {extra(r):>10} {r['graphs']:>7} {r['ms']:>9.3f} {r['kernels']:>8} "
               f"{r['kernel_us'] / 1e3:>10.3f}")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"model": a.model, "device": str(device), "dtype": str(dtype), "torch": torch.__version__,
-                       "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "rows": rows,
-                       "capture_failures": failures, "kernels": kernels.kernels_status()}, f,
-                      indent=1)
+    write(True)
 
 
 if __name__ == "__main__":
