@@ -210,3 +210,39 @@ def test_past_the_recompile_limit_is_an_error(compile_cp):
         assert torch.equal(step(torch.zeros(n)), torch.ones(n))
     with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
         step(torch.zeros(compiled_mod.RECOMPILE_LIMIT + 1))
+
+
+def test_gpu_check_reports_compiled_against_uncompiled_codes(tmp_path, monkeypatch):
+    """With VOICELANE_COMPILE on, --graphs-only adds a row: the compiled run's greedy codes against the same run
+    with nothing compiled (here both parts, aot_eager, fp32 on the interpreter: the same codes). A compiled part
+    that computed something else would show as an agreement below 1."""
+    import json
+
+    from engine.model.code_predictor import CodePredictor
+    from engine.tools.gpu_check_kernels import main
+
+    monkeypatch.setenv("VOICELANE_COMPILE", "on")
+    monkeypatch.setenv("VOICELANE_COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    argv = [str(tmp_path), "--smoke", "--graphs-only", "--model", "random:tiny", "--batches", "2", "--frames", "3"]
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "gpu_check_kernels.json").read_text())["model_checks"]
+    assert [r["check"].split(", ")[1] for r in rows] == ["graphs emulate vs eager",
+                                                         "compiled (code_predictor+talker) vs not compiled"]
+    assert rows[1]["agreement"] == 1.0 and rows[1]["first_divergent_frame"] is None
+    assert os.environ["VOICELANE_COMPILE"] == "on"
+    # and the row can fail: a compiled Code Predictor that adds to its logits picks other codes
+    real = CodePredictor._compiled_forward
+
+    def skewed(self):
+        forward = real(self)
+        if forward is None:
+            return None
+        return lambda group, x, batch, cache: forward(group, x, batch, cache) + torch.arange(
+            self.lm_head[0].weight.shape[0], dtype=torch.float32) * 1e3
+    monkeypatch.setattr(CodePredictor, "_compiled_forward", skewed)
+    torch._dynamo.reset()
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "gpu_check_kernels.json").read_text())["model_checks"]
+    assert rows[1]["agreement"] < 1.0 and rows[1]["first_divergent_frame"] == 0
+    torch._dynamo.reset()

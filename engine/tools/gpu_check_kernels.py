@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from engine import kernels
+from engine.kernels.compiled import COMPILE_ENV, compile_parts
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 DEVICE = "cuda"
@@ -358,6 +359,22 @@ def first_divergent_frame(a: torch.Tensor, b: torch.Tensor) -> int | None:
     return int(differs[0]) if len(differs) else None
 
 
+def compiled_vs_uncompiled(loaded, batch: int, frames: int, eager: torch.Tensor) -> dict:
+    """With VOICELANE_COMPILE on, `eager` ran the compiled parts: their greedy codes against the same run with
+    nothing compiled, i.e. inductor's fused arithmetic against the kernels it replaces. Reported: in bfloat16 a
+    fused kernel rounds its intermediates differently, as the Triton path against the PyTorch path does."""
+    parts = sorted(compile_parts())
+    saved = os.environ.get(COMPILE_ENV)
+    os.environ[COMPILE_ENV] = "off"
+    try:
+        plain = greedy_codes(loaded, batch, frames, "off")
+    finally:
+        os.environ[COMPILE_ENV] = saved if saved is not None else "off"
+    return {"check": f"{loaded.dtype} greedy codes, compiled ({'+'.join(parts)}) vs not compiled, eager, "
+            f"B{batch} x {frames} frames (reported)", "agreement": float((plain == eager).float().mean()),
+            "first_divergent_frame": first_divergent_frame(plain, eager), "ok": True}
+
+
 def repeatability(loaded, batch: int, frames: int, eager: torch.Tensor, graphed: torch.Tensor) -> list[dict]:
     """Each mode run a second time in a fresh runner: tells a systematic difference between graphs and eager from
     run-to-run nondeterminism (reported; the check above is the one that must hold)."""
@@ -466,6 +483,8 @@ def check(a: argparse.Namespace, sizes: Sizes) -> int:
         for b in a.batches:
             row, eager, graphed = graphs_vs_eager(loaded, b, a.frames)
             record["model_checks"].append(row)
+            if compile_parts():
+                record["model_checks"].append(compiled_vs_uncompiled(loaded, b, a.frames, eager))
             if a.repeat_check:
                 record["model_checks"] += repeatability(loaded, b, a.frames, eager, graphed)
     else:
