@@ -3,12 +3,13 @@ file's compiles: python3 bench/stages_summary.py OUT/stages_*.json"""
 
 import json
 import sys
+from pathlib import Path
 
 
 def main(paths: list[str]) -> None:
     for path in paths:
         try:
-            record = json.load(open(path))
+            record = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
             print(f"{path}: unreadable ({exc})")
             continue

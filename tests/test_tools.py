@@ -124,6 +124,23 @@ def test_profile_stages_captures_only_the_timed_shapes_and_writes_each_row(tmp_p
     assert {b for name, b in entries if name == "code_predictor"} == {1, 3}  # buckets 1 and 3 only, not 2
 
 
+def test_stages_summary_prints_every_row_and_says_what_it_cannot_read(tmp_path, capsys):
+    from bench.stages_summary import main
+
+    row = {"stage": "talker", "batch": 64, "graphs": "on", "ms": 2.5, "kernel_us": 1710.0, "kernels": 340}
+    (tmp_path / "a.json").write_text(json.dumps({
+        "gpu": "H", "torch": "2.11", "complete": False, "capture_failures": {},
+        "kernels": {"compile": {"compiles": [{"part": "talker", "shape": [64, 1, 2048], "seconds": 30.0}]}},
+        "rows": [row, {**row, "stage": "codec", "batch": 1, "chunk": 12, "ms": 1.19}]}))
+    (tmp_path / "cut.json").write_text('{"rows": [')  # a file being rewritten when the run was killed
+    main([str(tmp_path / "a.json"), str(tmp_path / "cut.json")])
+    lines = capsys.readouterr().out.splitlines()
+    assert "complete=False" in lines[0] and "'seconds': 30.0" in lines[1]
+    assert lines[2].split() == ["talker", "B64", "on", "2.500", "ms", "1.710", "kernel", "ms", "340", "kernels"]
+    assert lines[3].split()[:5] == ["codec", "B1", "12", "on", "1.190"]
+    assert lines[4].startswith(f"{tmp_path / 'cut.json'}: unreadable")
+
+
 def test_profile_stages_measures_the_codec_in_every_layout(tmp_path):
     """--codec-layouts: the codec stage once per activation layout, the other stages once."""
     from engine.tools.profile_stages import main

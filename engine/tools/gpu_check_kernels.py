@@ -369,7 +369,10 @@ def compiled_vs_uncompiled(loaded, batch: int, frames: int, eager: torch.Tensor)
     try:
         plain = greedy_codes(loaded, batch, frames, "off")
     finally:
-        os.environ[COMPILE_ENV] = saved if saved is not None else "off"
+        if saved is None:
+            os.environ.pop(COMPILE_ENV)
+        else:
+            os.environ[COMPILE_ENV] = saved
     return {"check": f"{loaded.dtype} greedy codes, compiled ({'+'.join(parts)}) vs not compiled, eager, "
             f"B{batch} x {frames} frames (reported)", "agreement": float((plain == eager).float().mean()),
             "first_divergent_frame": first_divergent_frame(plain, eager), "ok": True}
