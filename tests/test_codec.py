@@ -391,12 +391,15 @@ def test_transposed_conv_gives_exactly_the_causal_cut(kernel, stride, layout):
 
         assert maxdiff(total(up(x)), ref) < 1e-5
         h = up.history
-        tail = torch.zeros(2, 6, h)
+        tails = torch.full((2, 2, 6, h), float("nan"))  # [side, B, C, h]: a step reads one side, writes the other
+        tails[0] = 0
+        rows, side_stride = torch.arange(2) * tails.stride(1), tails.stride(0)
         parts, t0 = [], 0
-        for n in (1, 3, 7):  # streaming: the tail carries the last h inputs
-            new_tail = torch.full_like(tail, float("nan"))
-            parts.append(total(up(x[..., t0:t0 + n], TailIO([tail], [new_tail]) if h else None)))
-            tail, t0 = new_tail, t0 + n
+        for side, n in enumerate((1, 3, 7)):  # streaming: the tail carries the last h inputs
+            io = TailIO([tails[0]], rows + side % 2 * side_stride, rows + (side + 1) % 2 * side_stride)
+            parts.append(total(up(x[..., t0:t0 + n], io if h else None)))
+            tails[side % 2] = float("nan")  # read once only
+            t0 += n
     assert maxdiff(torch.cat(parts, -1), ref) < 1e-5
 
 
@@ -498,13 +501,36 @@ def test_step_writes_only_its_valid_frames_columns_of_the_ring(dec, codes):
     with torch.no_grad():
         dec.decode_stream(torch.cat([codes[:1, :, 100:112], codes[1:, :, 30:42]]), state, torch.tensor([2, 0]),
                           valid=torch.tensor([1, 3]))
-    changed = state.kv != state.layout.views(before)[0]  # [S, L, 2, Hkv, R, hd]
+    changed = state.kv != state.layout.kv_view(before)  # [S, L, 2, Hkv, R, hd]
     changed_cols = changed.permute(4, 0, 1, 2, 3, 5).reshape(R, 3, -1).any(-1)  # [R, slot]
     assert changed_cols[:, 1].sum() == 0 and torch.equal(state.flat[1], before[1])
     assert changed_cols[:, 2].nonzero().flatten().tolist() == [100 % R]
     assert changed_cols[:, 0].nonzero().flatten().tolist() == [30, 31, 32]
     assert changed[2, :, :, :, 100 % R].all() and changed[0, :, :, :, 30:33].all()
     assert state.pos.tolist() == [33, 0, 101]
+
+
+def test_step_reads_one_tails_buffer_and_writes_the_other_in_place(dec, codes):
+    """A step neither gathers nor overwrites a slot's conv tails: it writes the new ones into the slot's other
+    buffer and flips `side`; the buffer it read keeps its values, other slots keep everything. Each buffer holds
+    what a separate decode of the same frames leaves as the current tails."""
+    state, lay = dec.new_stream_state(3), dec.state_layout
+    stream(dec, codes[:1, :, :5], [2, 3], state, torch.tensor([2]))  # two steps: back on buffer 0
+    assert state.side.tolist() == [0, 0, 0]
+    before = state.flat.clone()
+    with torch.no_grad():
+        dec.decode_stream(codes[:, :, 5:9], state, torch.tensor([2, 0]))
+    assert state.side.tolist() == [1, 0, 1]
+    assert torch.equal(state.flat[1], before[1])
+    for slot in (0, 2):
+        read, written = lay.kv_width, lay.kv_width + lay.tail_width
+        assert torch.equal(state.flat[slot, read:read + lay.tail_width], before[slot, read:read + lay.tail_width])
+        assert not torch.equal(state.flat[slot, written:], before[slot, written:])
+    alone = dec.new_stream_state(1)  # slot 2's frames 0-8 decoded by themselves, in other steps
+    stream(dec, codes[:1, :, :9], [4, 5], alone, torch.tensor([0]))
+    assert alone.side.tolist() == [0]
+    for got, ref in zip(state.current_tails(2), alone.current_tails(0), strict=True):
+        assert (got - ref).abs().max().item() < 1e-5
 
 
 def test_reset_of_one_slot_leaves_the_others_alone(dec, codes):

@@ -146,6 +146,58 @@ def test_conv_window_per_row_valid_lengths(channels_last, H):
         assert torch.equal(win[..., :H], tail_in) and torch.equal(win[..., H:], y)
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("with_valid", [False, True], ids=["all_frames", "valid"])
+def test_conv_window_reads_and_writes_tails_in_a_state_by_offset(channels_last, with_valid):
+    """tail_in_at / tail_out_at: each batch row reads its history from one of a slot's two tail buffers inside a
+    state row and writes the new history into the other, at element offsets (the codec's in-place stream state).
+    Kernel and PyTorch path equal the dense call on the gathered rows; nothing else in the state changes."""
+    gen = torch.Generator().manual_seed(31 + channels_last + 2 * with_valid)
+    S, C, H, frames, factor, lead = 4, 5, 6, 3, 2, 7  # lead: other state before the tails (the codec's ring)
+    B, T = 2, frames * factor
+    row_width = lead + 2 * C * H + 3
+    state = torch.randn(S, row_width, generator=gen).to(DEVICE)
+    slots, sides = torch.tensor([2, 0], device=DEVICE), torch.tensor([1, 0], device=DEVICE)
+    read_at = slots * row_width + sides * C * H
+    write_at = slots * row_width + (1 - sides) * C * H
+    y, res = _activation(B, C, T, channels_last, gen), _activation(B, C, T, channels_last, gen)
+    freq, inv = constants(C, gen)
+    valid = torch.tensor([3, 1], device=DEVICE) if with_valid else None
+    per_row = dict(tail_valid=valid, tail_factor=factor) if with_valid else {}
+
+    def tail_of(st, slot, side):  # [C, H] of one slot's buffer
+        buf = st[slot, lead + side * C * H: lead + (side + 1) * C * H]
+        return buf.view(H, C).t() if channels_last else buf.view(C, H)
+
+    tail_in = torch.stack([tail_of(state, s, d) for s, d in zip(slots.tolist(), sides.tolist(), strict=True)])
+    win_ref = _activation(B, C, H + T, channels_last, gen)
+    tail_ref = torch.empty_like(tail_in)
+    sk.conv_window_torch(y, win_ref, res=res, freq=freq, inv_mag=inv, tail_in=tail_in, tail_out=tail_ref, **per_row)
+    for fn in (sk.conv_window_torch, sk.conv_window_triton):
+        st = state.clone()
+        part = st[:, lead:lead + C * H]
+        view = part.view(S, H, C).transpose(1, 2) if channels_last else part.view(S, C, H)
+        win = _activation(B, C, H + T, channels_last, gen)
+        fn(y, win, res=res, freq=freq, inv_mag=inv, tail_in=view, tail_out=view, tail_in_at=read_at,
+           tail_out_at=write_at, **per_row)
+        assert (win - win_ref).abs().max().item() < 1e-5
+        expected = state.clone()
+        for b, (s, d) in enumerate(zip(slots.tolist(), sides.tolist(), strict=True)):
+            tail_of(expected, s, 1 - d).copy_(tail_ref[b])
+        assert (st - expected).abs().max().item() < 1e-5  # the new tails where they belong, nothing else touched
+        assert torch.equal(tail_of(st, 2, 1), tail_of(state, 2, 1))  # the history read stays as it was
+
+
+def test_conv_window_tail_offsets_come_with_their_tails():
+    x, win = torch.zeros(1, 4, 7, device=DEVICE), torch.zeros(1, 4, 10, device=DEVICE)
+    at = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="tail_in_at and tail_out_at come together"):
+        sk.conv_window_triton(x, win, tail_in=torch.zeros(3, 4, 3, device=DEVICE), tail_in_at=at)
+    with pytest.raises(ValueError, match=r"tail_in has shape \(3, 4, 2\)"):
+        sk.conv_window_torch(x, win, tail_in=torch.zeros(3, 4, 2, device=DEVICE),
+                             tail_out=torch.zeros(3, 4, 3, device=DEVICE), tail_in_at=at, tail_out_at=at)
+
+
 def test_conv_window_triton_bf16_sums_and_rounds_once():
     """bf16: y + bias + residual summed in fp32 and rounded once (x_out), SnakeBeta of that rounded sum."""
     gen = torch.Generator().manual_seed(13)

@@ -109,14 +109,16 @@ def compile_sampler(dtype: str) -> None:
 def compile_codec(dtype: str) -> None:
     from engine.kernels import snake
 
-    flags = ("HAS_BIAS", "HAS_RES", "STORE_X", "SNAKE", "CLAMP", "HAS_TIN", "HAS_TOUT", "HAS_VALID")
-    unit = ("HAS_BIAS", "HAS_RES", "STORE_X", "SNAKE", "HAS_TIN", "HAS_TOUT")  # a residual unit's first window
+    flags = ("HAS_BIAS", "HAS_RES", "STORE_X", "SNAKE", "CLAMP", "HAS_TIN", "HAS_TOUT", "TAIL_AT", "HAS_VALID")
+    # a residual unit's first window in a stream step
+    unit = ("HAS_BIAS", "HAS_RES", "STORE_X", "SNAKE", "HAS_TIN", "HAS_TOUT", "TAIL_AT")
     # FAST_SIN as window_config sets it: the polynomial below fp32, libdevice's sinf in fp32
     for on, block_c, block_t in (((), 128, 16), (flags, 128, 16), (unit, 2, 1024), (("HAS_BIAS", "CLAMP"), 1, 1024),
                                  (unit, 128, 64)):
         for fast_sin in {False, dtype != "fp32"}:
             _compile(snake._kernel(), dtype, {f: f in on for f in flags}
-                     | {"BLOCK_C": block_c, "BLOCK_T": block_t, "FAST_SIN": fast_sin}, {"valid_ptr": "*i64"})
+                     | {"BLOCK_C": block_c, "BLOCK_T": block_t, "FAST_SIN": fast_sin},
+                     {"valid_ptr": "*i64", "tin_at_ptr": "*i64", "tout_at_ptr": "*i64"})
     from engine.kernels import codec_transformer
 
     norm, rope, ring = codec_transformer._kernels()

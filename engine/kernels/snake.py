@@ -13,6 +13,9 @@ this module only applies them.
                                   lengths, win[b, :, n_b : n_b + H] for n_b = tail_valid[b] * tail_factor)
 Every tensor may have any strides, so the same kernel serves activations stored [B, C, T] (time stride 1) and
 [B, T, C] (channels last, viewed as [B, C, T] with channel stride 1). tail_in and tail_out must not overlap.
+The tails are either [B, C, H] (row b at b * stride(0)) or views of a stream state whose rows are addressed per
+batch row: tail_in_at / tail_out_at [B] int64, the element offset of row b's tail from the view's row 0. So a
+stream step reads and writes each slot's history where the state keeps it, with no gather or scatter.
 
 Implementations of the same functions:
 - `snake_reference`: the official op order in the activation dtype (five elementwise passes); the tests' oracle;
@@ -63,12 +66,13 @@ def _kernel():
 
     @triton.jit
     def conv_window_kernel(y_ptr, bias_ptr, res_ptr, x_ptr, freq_ptr, inv_ptr, win_ptr, tin_ptr, tout_ptr,
-                           valid_ptr, factor, C, T, H,
+                           tin_at_ptr, tout_at_ptr, valid_ptr, factor, C, T, H,
                            y_sb, y_sc, y_st, r_sb, r_sc, r_st, x_sb, x_sc, x_st, w_sb, w_sc, w_st,
                            ti_sb, ti_sc, ti_st, to_sb, to_sc, to_st,
                            HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, STORE_X: tl.constexpr,
                            SNAKE: tl.constexpr, CLAMP: tl.constexpr, HAS_TIN: tl.constexpr,
-                           HAS_TOUT: tl.constexpr, HAS_VALID: tl.constexpr, FAST_SIN: tl.constexpr,
+                           HAS_TOUT: tl.constexpr, TAIL_AT: tl.constexpr, HAS_VALID: tl.constexpr,
+                           FAST_SIN: tl.constexpr,
                            BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
         # One tile: BLOCK_C channels x BLOCK_T window positions tau (tau < H: history, tau >= H: new sample
         # tau - H) of one batch row. The row's base is a scalar int64 offset; inside a row the offsets are int32
@@ -113,8 +117,14 @@ def _kernel():
             v = v + inv * (s * s)
         if CLAMP:
             v = tl.minimum(tl.maximum(v, -1.0), 1.0)
+        if TAIL_AT:  # each row's tails lie where the stream state keeps them (element offsets, int64)
+            tin_row = tl.load(tin_at_ptr + b)
+            tout_row = tl.load(tout_at_ptr + b)
+        else:
+            tin_row = b * ti_sb
+            tout_row = b * to_sb
         if HAS_TIN:
-            old = tl.load(tin_ptr + b * ti_sb + (c * ti_sc + tau * ti_st), mask=in_win & (tau < H),
+            old = tl.load(tin_ptr + tin_row + (c * ti_sc + tau * ti_st), mask=in_win & (tau < H),
                           other=0.0).to(tl.float32)
             v = tl.where(tau < H, old, v)
         else:
@@ -124,10 +134,10 @@ def _kernel():
         if HAS_TOUT:
             if HAS_VALID:  # this row's samples end at n: its new history is win[n : n + H]
                 n = tl.load(valid_ptr + b).to(tl.int32) * factor
-                tl.store(tout_ptr + b * to_sb + (c * to_sc + (tau - n) * to_st), a,
+                tl.store(tout_ptr + tout_row + (c * to_sc + (tau - n) * to_st), a,
                          mask=in_win & (tau >= n) & (tau < n + H))
             else:
-                tl.store(tout_ptr + b * to_sb + (c * to_sc + (tau - T) * to_st), a, mask=in_win & (tau >= T))
+                tl.store(tout_ptr + tout_row + (c * to_sc + (tau - T) * to_st), a, mask=in_win & (tau >= T))
 
     return conv_window_kernel
 
@@ -136,16 +146,25 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _check_window(y: Tensor, win: Tensor, bias, res, freq, inv_mag, x_out, tail_in, tail_out, tail_valid) -> int:
+def _check_window(y: Tensor, win: Tensor, bias, res, freq, inv_mag, x_out, tail_in, tail_out, tail_valid,
+                  tail_in_at, tail_out_at) -> int:
     """Shape checks shared by both paths; returns H, the window's history length."""
     B, C, T = y.shape
     if win.dim() != 3 or win.shape[:2] != (B, C) or win.shape[2] < T:
         raise ValueError(f"conv_window: window {tuple(win.shape)} for input {tuple(y.shape)}")
     H = win.shape[2] - T
-    for name, t, shape in (("res", res, (B, C, T)), ("x_out", x_out, (B, C, T)), ("tail_in", tail_in, (B, C, H)),
-                           ("tail_out", tail_out, (B, C, H)), ("bias", bias, (C,)), ("tail_valid", tail_valid, (B,))):
+    if (tail_in_at is None) != (tail_out_at is None) or (tail_in_at is not None and (tail_in is None
+                                                                                    or tail_out is None)):
+        raise ValueError("conv_window: tail_in_at and tail_out_at come together, with tail_in and tail_out")
+    at = tail_in_at is not None
+    for name, t, shape in (("res", res, (B, C, T)), ("x_out", x_out, (B, C, T)), ("bias", bias, (C,)),
+                           ("tail_valid", tail_valid, (B,)), ("tail_in_at", tail_in_at, (B,)),
+                           ("tail_out_at", tail_out_at, (B,))):
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"conv_window: {name} has shape {tuple(t.shape)}, expected {shape}")
+    for name, t in (("tail_in", tail_in), ("tail_out", tail_out)):  # with offsets: the state's rows, any number
+        if t is not None and (t.dim() != 3 or tuple(t.shape[1:]) != (C, H) or (not at and t.shape[0] != B)):
+            raise ValueError(f"conv_window: {name} has shape {tuple(t.shape)}, expected {('S' if at else B, C, H)}")
     if (freq is None) != (inv_mag is None) or (freq is not None and (freq.shape != (C,) or inv_mag.shape != (C,))):
         raise ValueError(f"snake: freq/inv_mag must be [{C}], got {None if freq is None else tuple(freq.shape)}, "
                          f"{None if inv_mag is None else tuple(inv_mag.shape)}")
@@ -190,12 +209,13 @@ def _row_offsets_fit(t: Tensor | None) -> bool:
 def conv_window_triton(y: Tensor, win: Tensor, *, bias: Tensor | None = None, res: Tensor | None = None,
                        freq: Tensor | None = None, inv_mag: Tensor | None = None, x_out: Tensor | None = None,
                        tail_in: Tensor | None = None, tail_out: Tensor | None = None, clamp: bool = False,
-                       tail_valid: Tensor | None = None, tail_factor: int = 1,
-                       config: WindowConfig | None = None) -> Tensor:
-    """See the module docstring: y, res, x_out [B, C, T]; win [B, C, H + T]; tail_in, tail_out [B, C, H];
-    bias, freq, inv_mag [C]; tail_valid [B] int64 (each row's valid inputs, in units of tail_factor samples;
-    None: all T). Any strides. config: the launch (None: window_config's). Returns win."""
-    H = _check_window(y, win, bias, res, freq, inv_mag, x_out, tail_in, tail_out, tail_valid)
+                       tail_valid: Tensor | None = None, tail_factor: int = 1, tail_in_at: Tensor | None = None,
+                       tail_out_at: Tensor | None = None, config: WindowConfig | None = None) -> Tensor:
+    """See the module docstring: y, res, x_out [B, C, T]; win [B, C, H + T]; tail_in, tail_out [B, C, H], or
+    [S, C, H] views of a state with tail_in_at, tail_out_at [B] int64 (row b's element offsets); bias, freq, inv_mag
+    [C]; tail_valid [B] int64 (each row's valid inputs, in units of tail_factor samples; None: all T). Any strides.
+    config: the launch (None: window_config's). Returns win."""
+    H = _check_window(y, win, bias, res, freq, inv_mag, x_out, tail_in, tail_out, tail_valid, tail_in_at, tail_out_at)
     B, C, T = y.shape
     if B * C * (H + T) == 0:
         return win
@@ -215,10 +235,12 @@ def conv_window_triton(y: Tensor, win: Tensor, *, bias: Tensor | None = None, re
         y, dummy if bias is None else bias, dummy if res is None else res, dummy if x_out is None else x_out,
         dummy if freq is None else freq, dummy if inv_mag is None else inv_mag, win,
         dummy if tail_in is None else tail_in, dummy if tail_out is None else tail_out,
+        dummy if tail_in_at is None else tail_in_at, dummy if tail_out_at is None else tail_out_at,
         dummy if tail_valid is None else tail_valid, tail_factor, C, T, H,
         *y.stride(), *strides(res), *strides(x_out), *win.stride(), *strides(tail_in), *strides(tail_out),
         HAS_BIAS=bias is not None, HAS_RES=res is not None, STORE_X=x_out is not None, SNAKE=freq is not None,
-        CLAMP=clamp, HAS_TIN=tail_in is not None, HAS_TOUT=tail_out is not None, HAS_VALID=tail_valid is not None,
+        CLAMP=clamp, HAS_TIN=tail_in is not None, HAS_TOUT=tail_out is not None, TAIL_AT=tail_in_at is not None,
+        HAS_VALID=tail_valid is not None,
         FAST_SIN=cfg.fast_sin, BLOCK_C=cfg.block_c, BLOCK_T=cfg.block_t, num_warps=cfg.num_warps)
     return win
 
@@ -226,9 +248,13 @@ def conv_window_triton(y: Tensor, win: Tensor, *, bias: Tensor | None = None, re
 def conv_window_torch(y: Tensor, win: Tensor, *, bias: Tensor | None = None, res: Tensor | None = None,
                       freq: Tensor | None = None, inv_mag: Tensor | None = None, x_out: Tensor | None = None,
                       tail_in: Tensor | None = None, tail_out: Tensor | None = None, clamp: bool = False,
-                      tail_valid: Tensor | None = None, tail_factor: int = 1) -> Tensor:
+                      tail_valid: Tensor | None = None, tail_factor: int = 1, tail_in_at: Tensor | None = None,
+                      tail_out_at: Tensor | None = None) -> Tensor:
     """The same as conv_window_triton in PyTorch ops."""
-    H = _check_window(y, win, bias, res, freq, inv_mag, x_out, tail_in, tail_out, tail_valid)
+    H = _check_window(y, win, bias, res, freq, inv_mag, x_out, tail_in, tail_out, tail_valid, tail_in_at, tail_out_at)
+    if tail_in_at is not None:  # the state's rows: read them into [B, C, H], and write the new ones back below
+        tail_in, tails_at = _AtRows(tail_in, tail_in_at).read(), _AtRows(tail_out, tail_out_at)
+        tail_out = torch.empty_like(tail_in)
     T = y.shape[2]
     new = win[..., H:]
     v = y
@@ -257,7 +283,28 @@ def conv_window_torch(y: Tensor, win: Tensor, *, bias: Tensor | None = None, res
         elif tail_out is not None:
             index = tail_valid[:, None] * tail_factor + torch.arange(H, device=win.device)  # [B, H]
             tail_out.copy_(win.gather(2, index[:, None, :].expand(tail_out.shape)))
+        if tail_in_at is not None:
+            tails_at.write(tail_out)
     return win
+
+
+class _AtRows:
+    """Rows of a [S, C, H] view addressed by element offsets at [B] (conv_window's tail_in_at / tail_out_at),
+    read and written as [B, C, H] through one index into the view's storage: no host sync, so capture-safe."""
+
+    def __init__(self, view: Tensor, at: Tensor):
+        extent = view.untyped_storage().nbytes() // view.element_size() - view.storage_offset()
+        self.storage = view.as_strided((extent,), (1,))  # from the view's first element to the storage's end
+        C, H = view.shape[1:]
+        c = torch.arange(C, device=at.device) * view.stride(1)
+        h = torch.arange(H, device=at.device) * view.stride(2)
+        self.index = at[:, None, None] + c[None, :, None] + h[None, None, :]  # [B, C, H]
+
+    def read(self) -> Tensor:
+        return self.storage[self.index]
+
+    def write(self, rows: Tensor) -> None:
+        self.storage[self.index] = rows
 
 
 def snake_triton(x: Tensor, freq: Tensor, inv_mag: Tensor, out: Tensor | None = None) -> Tensor:

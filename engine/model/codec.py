@@ -96,33 +96,35 @@ class CodecConfig:
 
 @dataclass(frozen=True)
 class StateLayout:
-    """Where each piece of a slot's streaming state lives in its row of `CodecStreamState.flat`."""
+    """Where each piece of a slot's streaming state lives in its row of `CodecStreamState.flat`: the ring, then
+    the conv tails twice (two buffers a slot alternates between: a step reads one and writes the other)."""
 
     kv_shape: tuple[int, ...]  # (L, 2, Hkv, W-1, hd): the ring, frame p at column p mod (W-1)
     tail_shapes: tuple[tuple[int, int], ...]  # (C_i, H_i) per conv tail, in module order
     channels_last: bool = False  # tails stored [H_i, C_i] (the activations' layout), else [C_i, H_i]
 
     @property
-    def sizes(self) -> list[int]:
-        return [math.prod(self.kv_shape)] + [c * h for c, h in self.tail_shapes]
+    def kv_width(self) -> int:
+        """Where the tails start in a row: the ring comes first."""
+        return math.prod(self.kv_shape)
+
+    @property
+    def tail_width(self) -> int:
+        """One buffer of every conv tail."""
+        return sum(c * h for c, h in self.tail_shapes)
 
     @property
     def width(self) -> int:
-        return sum(self.sizes)
+        return self.kv_width + 2 * self.tail_width
 
-    @property
-    def kv_width(self) -> int:
-        """Where the tails start in a row: the ring comes first."""
-        return self.sizes[0]
+    def kv_view(self, rows: Tensor) -> Tensor:
+        """rows [B, width] -> the ring [B, L, 2, Hkv, W-1, hd], a view sharing rows' storage."""
+        return rows[:, : self.kv_width].view(rows.shape[0], *self.kv_shape)
 
-    def views(self, rows: Tensor) -> tuple[Tensor, list[Tensor]]:
-        """rows [B, width] -> (kv [B, L, 2, Hkv, W-1, hd], tails [[B, C_i, H_i]]): views sharing rows' storage."""
-        return rows[:, : self.kv_width].view(rows.shape[0], *self.kv_shape), self.tail_views(rows[:, self.kv_width:])
-
-    def tail_views(self, rows: Tensor) -> list[Tensor]:
-        """rows [B, width - kv_width] (the tails' part of state rows) -> tails [[B, C_i, H_i]], views."""
-        B = rows.shape[0]
-        parts = rows.split(self.sizes[1:], dim=1)
+    def tail_views(self, rows: Tensor, side: int = 0) -> list[Tensor]:
+        """rows [B, width] -> tails buffer `side` (0 or 1) as [[B, C_i, H_i]], views sharing rows' storage."""
+        B, start = rows.shape[0], self.kv_width + side * self.tail_width
+        parts = rows[:, start:start + self.tail_width].split([c * h for c, h in self.tail_shapes], dim=1)
         if self.channels_last:
             return [p.view(B, h, c).transpose(1, 2) for p, (c, h) in zip(parts, self.tail_shapes, strict=True)]
         return [p.view(B, c, h) for p, (c, h) in zip(parts, self.tail_shapes, strict=True)]
@@ -135,11 +137,14 @@ class CodecStreamState:
     Each slot's state is one contiguous row of `flat`. It starts with a ring of the post-RoPE keys/values of every
     transformer layer, frame q at column q mod (W-1): at position p (frames decoded so far) it holds frames
     p-W+1 .. p-1 (columns of negative positions hold zeros or stale frames of an earlier stream and are masked
-    out). A step reads the ring in place and writes only its new frames' columns. Then comes the input tail of
-    every causal conv, gathered and scattered whole each step (small). Conv tails start as zeros, which is exactly
-    the left zero padding of the whole-utterance decode."""
+    out). A step reads the ring in place and writes only its new frames' columns. Then come the input tails of
+    every causal conv, in two buffers: `side[s]` names the one holding slot s's current tails; a step's kernels
+    read them there and write the new ones into the other buffer, and the step flips `side`. So no step gathers or
+    scatters the tails, and no kernel overwrites a history another part of it still reads. Conv tails start as
+    zeros, which is exactly the left zero padding of the whole-utterance decode."""
 
     pos: Tensor  # [S] int64: frames already decoded = absolute position of the slot's next frame
+    side: Tensor  # [S] int64, 0 or 1: the tails buffer holding the slot's current conv tails
     flat: Tensor  # [S, layout.width] activation dtype
     layout: StateLayout
 
@@ -149,18 +154,26 @@ class CodecStreamState:
 
     @property
     def kv(self) -> Tensor:  # [S, L, 2, Hkv, W-1, hd] view: the ring, frame q at column q mod (W-1)
-        return self.layout.views(self.flat)[0]
+        return self.layout.kv_view(self.flat)
 
-    @property
-    def tails(self) -> list[Tensor]:  # each [S, C_i, H_i], views
-        return self.layout.views(self.flat)[1]
+    def current_tails(self, slot: int) -> list[Tensor]:
+        """Slot `slot`'s current conv tails, each [C_i, H_i] (host-side read of side: for tests and tools)."""
+        return [t[0] for t in self.layout.tail_views(self.flat[slot:slot + 1], int(self.side[slot]))]
+
+    def tail_offsets(self, slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """slots [B] -> (read_at, write_at, the flipped sides) [B] int64: element offsets of each row's current
+        and next tails from tails buffer 0 of slot 0 (TailIO's convention)."""
+        side = self.side.index_select(0, slots)
+        row = slots * self.flat.stride(0)
+        width = self.layout.tail_width
+        return row + side * width, row + (1 - side) * width, 1 - side
 
     def nbytes_per_slot(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in (self.pos, self.flat))
+        return sum(t[0].numel() * t.element_size() for t in (self.pos, self.side, self.flat))
 
     def reset_(self, slots: Tensor) -> None:
         """Clear `slots` (LongTensor [n], on the state's device) for new streams. No host sync."""
-        for t in (self.pos, self.flat):
+        for t in (self.pos, self.side, self.flat):
             t.index_fill_(0, slots, 0)
 
 
@@ -266,6 +279,7 @@ class CodecDecoder(nn.Module):
         device = p.device if device is None else device
         dtype = p.dtype if dtype is None else dtype
         return CodecStreamState(pos=torch.zeros(num_slots, dtype=torch.int64, device=device),
+                                side=torch.zeros(num_slots, dtype=torch.int64, device=device),
                                 flat=torch.zeros(num_slots, self.state_layout.width, dtype=dtype, device=device),
                                 layout=self.state_layout)
 
@@ -274,10 +288,10 @@ class CodecDecoder(nn.Module):
         """Decode t new frames for each of B streams: codes LongTensor [B, Q, t] (values in [0, codebook_size):
         not checked here, that would need a host sync), slots LongTensor [B] (distinct, on the state's device;
         rows may be at different positions). Reads and updates those slots of `state` in place (the keys/values
-        ring column by column, only the new frames' columns written; the conv tails gathered and scattered whole)
-        and returns wave
-        [B, t * samples_per_frame]. Static shapes per (B, t), no host syncs, so a call can be captured in a CUDA
-        graph per (B, t) with static codes/slots buffers. Any t >= 1 works (also t > 72).
+        ring column by column, only the new frames' columns written; each conv tail read from the slot's current
+        tails buffer and written to its other one, both in place) and returns wave [B, t * samples_per_frame].
+        Static shapes per (B, t), no host syncs, so a call can be captured in a CUDA graph per (B, t) with static
+        codes/slots buffers. Any t >= 1 works (also t > 72).
 
         valid: LongTensor [B] in [1, t] (on the state's device; not checked), for a batch of rows with different
         chunk sizes padded to t: row b's first valid[b] frames are decoded and its state advances by valid[b]
@@ -287,13 +301,11 @@ class CodecDecoder(nn.Module):
             raise ValueError(f"stream state laid out for another codec layout than {self.layout!r}: make it with "
                              "new_stream_state after set_layout")
         t = codes.shape[-1]
-        tail_part = state.flat[:, state.layout.kv_width:]  # [S, tail width] view
-        rows = tail_part.index_select(0, slots)  # [B, tail width]: one gather for every conv tail
-        new_rows = torch.empty_like(rows)  # every element is written: every new tail
-        io = TailIO(state.layout.tail_views(rows), state.layout.tail_views(new_rows), valid, t)
+        read_at, write_at, flipped = state.tail_offsets(slots)
+        io = TailIO(state.layout.tail_views(state.flat), read_at, write_at, valid, t)  # every new tail is written
         pos = state.pos.index_select(0, slots)  # [B]
-        wave = self._run(codes, io, pos, state.kv, slots, valid)  # reads and writes the ring in place
-        tail_part.index_copy_(0, slots, new_rows)  # one scatter
+        wave = self._run(codes, io, pos, state.kv, slots, valid)  # reads and writes the ring and the tails in place
+        state.side.index_copy_(0, slots, flipped)
         state.pos.index_copy_(0, slots, pos + (t if valid is None else valid))
         return wave[:, 0]
 

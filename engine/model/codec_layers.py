@@ -87,17 +87,18 @@ class Prepared(nn.Module):
 
 
 class TailIO:
-    """Per-call carrier of convolution histories: `tails_in[i]` ([B, C_i, H_i], a view into the gathered stream
-    state) holds the history of conv `i` on entry; the conv writes its updated history (the last H_i samples of
-    [history, new input]) to `tails_out[i]` (another buffer: the two must not overlap).
+    """Per-call carrier of convolution histories, read and written where the stream state keeps them: `tails[i]`
+    ([S, C_i, H_i], a view of the state's first tails buffer) is conv `i`'s history for every slot; batch row b
+    reads its history at element offset `read_at[b]` from that view's row 0 and writes its updated one (the last
+    H_i samples of [history, new input]) at `write_at[b]`, which must not overlap what any row reads.
 
     valid [B] int64 (or None: every frame): how many of the call's `frames` frames are real in each row; the rest
     is padding, and each new history ends at the row's last real sample (causal layers never let the padding
     reach a real output)."""
 
-    def __init__(self, tails_in: list[Tensor], tails_out: list[Tensor], valid: Tensor | None = None,
+    def __init__(self, tails: list[Tensor], read_at: Tensor, write_at: Tensor, valid: Tensor | None = None,
                  frames: int = 1):
-        self.tails_in, self.tails_out = tails_in, tails_out
+        self.tails, self.read_at, self.write_at = tails, read_at, write_at
         self.valid, self.frames = valid, frames
 
 
@@ -121,7 +122,7 @@ def run_window(x: Tensor | Pre, history: int, act: SnakeBeta | None = None, *, i
                clamp: bool = False) -> tuple[Tensor, Tensor | None]:
     """x [B, C, T] (or a Pre, summed here) -> (window [B, C, history + T], x summed or None): the `history` samples
     before x (zeros in whole mode, the stream's tail otherwise), then act(x) (clamped to [-1, 1] if asked), in one
-    kernel. In streaming mode the window's last `history` samples are written to io.tails_out[tail_id].
+    kernel. In streaming mode the window's last `history` samples are written to each row's io.write_at.
     keep_input: also return x itself (stored by the same kernel when it is a Pre), e.g. as a residual."""
     y, bias, res = x if isinstance(x, Pre) else (x, None, None)
     summed = bias is None and res is None
@@ -138,9 +139,13 @@ def run_window(x: Tensor | Pre, history: int, act: SnakeBeta | None = None, *, i
         per_row = {"tail_valid": io.valid, "tail_factor": T // io.frames}
     conv_window(y, win, bias=bias, res=res, freq=None if act is None else act.freq,
                 inv_mag=None if act is None else act.inv_mag, x_out=None if kept is y else kept,
-                tail_in=io.tails_in[tail_id] if stream else None, tail_out=io.tails_out[tail_id] if stream else None,
-                clamp=clamp, **per_row)
+                clamp=clamp, **per_row, **(_tails(io, tail_id) if stream else {}))
     return win, kept
+
+
+def _tails(io: TailIO, tail_id: int) -> dict:
+    tail = io.tails[tail_id]
+    return {"tail_in": tail, "tail_out": tail, "tail_in_at": io.read_at, "tail_out_at": io.write_at}
 
 
 class CausalConvBase(Prepared):

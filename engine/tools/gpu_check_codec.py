@@ -191,15 +191,18 @@ class StepGraph:
 
 def check_graph_equals_eager(dec: CodecDecoder) -> dict:
     g = StepGraph(dec, 4, 4)
-    start = g.state.flat.clone(), g.state.pos.clone()
+    parts = (g.state.flat, g.state.pos, g.state.side)
+    start = [t.clone() for t in parts]
     graph_out = g.replay().clone()
-    graph_state = g.state.flat.clone()
-    g.state.flat.copy_(start[0])
-    g.state.pos.copy_(start[1])
+    graph_state = [t.clone() for t in parts]
+    for t, t0 in zip(parts, start, strict=True):
+        t.copy_(t0)
     eager_out = g.eager()
     diff = (graph_out.float() - eager_out.float()).abs().max().item()
-    state_diff = (graph_state.float() - g.state.flat.float()).abs().max().item()
-    return {"max_abs_out_diff": diff, "max_abs_state_diff": state_diff, "ok": diff <= 1e-3 and state_diff <= 1e-3}
+    state_diff = (graph_state[0].float() - g.state.flat.float()).abs().max().item()
+    same_sides = torch.equal(graph_state[1], g.state.pos) and torch.equal(graph_state[2], g.state.side)
+    return {"max_abs_out_diff": diff, "max_abs_state_diff": state_diff, "positions_and_sides_equal": same_sides,
+            "ok": diff <= 1e-3 and state_diff <= 1e-3 and same_sides}
 
 
 # ---------------------------------------------------------------------------------------------- timing
