@@ -516,11 +516,11 @@ def test_step_reads_one_tails_buffer_and_writes_the_other_in_place(dec, codes):
     what a separate decode of the same frames leaves as the current tails."""
     state, lay = dec.new_stream_state(3), dec.state_layout
     stream(dec, codes[:1, :, :5], [2, 3], state, torch.tensor([2]))  # two steps: back on buffer 0
-    assert state.side.tolist() == [0, 0, 0]
+    assert state.sides.tolist() == [0, 0, 0]
     before = state.flat.clone()
     with torch.no_grad():
         dec.decode_stream(codes[:, :, 5:9], state, torch.tensor([2, 0]))
-    assert state.side.tolist() == [1, 0, 1]
+    assert state.sides.tolist() == [1, 0, 1]
     assert torch.equal(state.flat[1], before[1])
     for slot in (0, 2):
         read, written = lay.kv_width, lay.kv_width + lay.tail_width
@@ -528,7 +528,7 @@ def test_step_reads_one_tails_buffer_and_writes_the_other_in_place(dec, codes):
         assert not torch.equal(state.flat[slot, written:], before[slot, written:])
     alone = dec.new_stream_state(1)  # slot 2's frames 0-8 decoded by themselves, in other steps
     stream(dec, codes[:1, :, :9], [4, 5], alone, torch.tensor([0]))
-    assert alone.side.tolist() == [0]
+    assert alone.sides.tolist() == [0]
     for got, ref in zip(state.current_tails(2), alone.current_tails(0), strict=True):
         assert (got - ref).abs().max().item() < 1e-5
 

@@ -138,13 +138,14 @@ class CodecStreamState:
     transformer layer, frame q at column q mod (W-1): at position p (frames decoded so far) it holds frames
     p-W+1 .. p-1 (columns of negative positions hold zeros or stale frames of an earlier stream and are masked
     out). A step reads the ring in place and writes only its new frames' columns. Then come the input tails of
-    every causal conv, in two buffers: `side[s]` names the one holding slot s's current tails; a step's kernels
-    read them there and write the new ones into the other buffer, and the step flips `side`. So no step gathers or
-    scatters the tails, and no kernel overwrites a history another part of it still reads. Conv tails start as
-    zeros, which is exactly the left zero padding of the whole-utterance decode."""
+    every causal conv, in two buffers: `tail_at[:, s]` holds where slot s's current and next tails start; a step's
+    kernels read the current ones and write the new ones into the other buffer, and the step swaps the pair. So no
+    step gathers or scatters the tails, and no kernel overwrites a history another part of it still reads. Conv
+    tails start as zeros, which is exactly the left zero padding of the whole-utterance decode."""
 
     pos: Tensor  # [S] int64: frames already decoded = absolute position of the slot's next frame
-    side: Tensor  # [S] int64, 0 or 1: the tails buffer holding the slot's current conv tails
+    tail_at: Tensor  # [2, S] int64: element offsets of each slot's current (0) and next (1) tails buffer, from
+    #                  buffer 0 of slot 0 (TailIO's convention); [2, S] so a step's [2, B] selection is two rows
     flat: Tensor  # [S, layout.width] activation dtype
     layout: StateLayout
 
@@ -156,24 +157,23 @@ class CodecStreamState:
     def kv(self) -> Tensor:  # [S, L, 2, Hkv, W-1, hd] view: the ring, frame q at column q mod (W-1)
         return self.layout.kv_view(self.flat)
 
-    def current_tails(self, slot: int) -> list[Tensor]:
-        """Slot `slot`'s current conv tails, each [C_i, H_i] (host-side read of side: for tests and tools)."""
-        return [t[0] for t in self.layout.tail_views(self.flat[slot:slot + 1], int(self.side[slot]))]
+    @property
+    def sides(self) -> Tensor:
+        """[S] int64, 0 or 1: the tails buffer holding each slot's current tails."""
+        rows = torch.arange(self.num_slots, device=self.flat.device) * self.flat.stride(0)
+        return (self.tail_at[0] - rows) // max(self.layout.tail_width, 1)
 
-    def tail_offsets(self, slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """slots [B] -> (read_at, write_at, the flipped sides) [B] int64: element offsets of each row's current
-        and next tails from tails buffer 0 of slot 0 (TailIO's convention)."""
-        side = self.side.index_select(0, slots)
-        row = slots * self.flat.stride(0)
-        width = self.layout.tail_width
-        return row + side * width, row + (1 - side) * width, 1 - side
+    def current_tails(self, slot: int) -> list[Tensor]:
+        """Slot `slot`'s current conv tails, each [C_i, H_i] (a host-side read: for tests and tools)."""
+        return [t[0] for t in self.layout.tail_views(self.flat[slot:slot + 1], int(self.sides[slot]))]
 
     def nbytes_per_slot(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in (self.pos, self.side, self.flat))
+        return sum(t[0].numel() * t.element_size() for t in (self.pos, self.flat)) + 2 * self.tail_at.element_size()
 
     def reset_(self, slots: Tensor) -> None:
-        """Clear `slots` (LongTensor [n], on the state's device) for new streams. No host sync."""
-        for t in (self.pos, self.side, self.flat):
+        """Clear `slots` (LongTensor [n], on the state's device) for new streams (both tails buffers: which one is
+        current does not matter). No host sync."""
+        for t in (self.pos, self.flat):
             t.index_fill_(0, slots, 0)
 
 
@@ -278,8 +278,9 @@ class CodecDecoder(nn.Module):
         p = next(self.parameters())
         device = p.device if device is None else device
         dtype = p.dtype if dtype is None else dtype
+        rows = torch.arange(num_slots, dtype=torch.int64, device=device) * self.state_layout.width
         return CodecStreamState(pos=torch.zeros(num_slots, dtype=torch.int64, device=device),
-                                side=torch.zeros(num_slots, dtype=torch.int64, device=device),
+                                tail_at=torch.stack([rows, rows + self.state_layout.tail_width]),
                                 flat=torch.zeros(num_slots, self.state_layout.width, dtype=dtype, device=device),
                                 layout=self.state_layout)
 
@@ -301,11 +302,11 @@ class CodecDecoder(nn.Module):
             raise ValueError(f"stream state laid out for another codec layout than {self.layout!r}: make it with "
                              "new_stream_state after set_layout")
         t = codes.shape[-1]
-        read_at, write_at, flipped = state.tail_offsets(slots)
-        io = TailIO(state.layout.tail_views(state.flat), read_at, write_at, valid, t)  # every new tail is written
+        at = state.tail_at.index_select(1, slots)  # [2, B]: where each row reads its tails and writes the new ones
+        io = TailIO(state.layout.tail_views(state.flat), at[0], at[1], valid, t)  # every new tail is written
         pos = state.pos.index_select(0, slots)  # [B]
         wave = self._run(codes, io, pos, state.kv, slots, valid)  # reads and writes the ring and the tails in place
-        state.side.index_copy_(0, slots, flipped)
+        state.tail_at.index_copy_(1, slots, at.flip(0))  # the buffer just written is current from now on
         state.pos.index_copy_(0, slots, pos + (t if valid is None else valid))
         return wave[:, 0]
 

@@ -191,7 +191,7 @@ class StepGraph:
 
 def check_graph_equals_eager(dec: CodecDecoder) -> dict:
     g = StepGraph(dec, 4, 4)
-    parts = (g.state.flat, g.state.pos, g.state.side)
+    parts = (g.state.flat, g.state.pos, g.state.tail_at)
     start = [t.clone() for t in parts]
     graph_out = g.replay().clone()
     graph_state = [t.clone() for t in parts]
@@ -200,7 +200,7 @@ def check_graph_equals_eager(dec: CodecDecoder) -> dict:
     eager_out = g.eager()
     diff = (graph_out.float() - eager_out.float()).abs().max().item()
     state_diff = (graph_state[0].float() - g.state.flat.float()).abs().max().item()
-    same_sides = torch.equal(graph_state[1], g.state.pos) and torch.equal(graph_state[2], g.state.side)
+    same_sides = torch.equal(graph_state[1], g.state.pos) and torch.equal(graph_state[2], g.state.tail_at)
     return {"max_abs_out_diff": diff, "max_abs_state_diff": state_diff, "positions_and_sides_equal": same_sides,
             "ok": diff <= 1e-3 and state_diff <= 1e-3 and same_sides}
 
