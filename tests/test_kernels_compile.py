@@ -23,14 +23,16 @@ H200 = GPUTarget("cuda", 90, 32)
 
 def _compile(fn, dtype: str, constexprs: dict, pointers: dict[str, str] | None = None, aligned: bool = False) -> None:
     """Compile `fn` with every `*_ptr` argument of `dtype` (unless `pointers` says otherwise), ints as i32,
-    eps and scale as fp32; a kernel with a GDC constexpr twice: without and with programmatic dependent launch,
-    whose PTX must then wait for the kernel before (and let the next one launch). aligned: every pointer and
-    stride (`s_*`) known to be a multiple of 16, as the launcher specialises torch's allocations (without it the
-    compiler cannot vectorise loads or pipeline a loop's copies)."""
+    eps and scale as fp32; a kernel with a GDC constexpr three times: without programmatic dependent launch, and
+    with it, whose PTX must then wait for the kernel before and let the next one launch, after the wait or (trigger
+    early) before it. aligned: every pointer and stride (`s_*`) known to be a multiple of 16, as the launcher
+    specialises torch's allocations (without it the compiler cannot vectorise loads or pipeline a loop's copies)."""
     if any(p.name == "GDC" for p in fn.params) and "GDC" not in constexprs:
-        _compile(fn, dtype, constexprs | {"GDC": False}, pointers, aligned)
-        ptx = _compile(fn, dtype, constexprs | {"GDC": True}, pointers, aligned)
-        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+        assert "griddepcontrol" not in _compile(fn, dtype, constexprs | {"GDC": False}, pointers, aligned)
+        early = _compile(fn, dtype, constexprs | {"GDC": 2}, pointers, aligned)  # trigger early: the next may launch
+        assert early.index("griddepcontrol.launch_dependents") < early.index("griddepcontrol.wait")  # at once
+        ptx = _compile(fn, dtype, constexprs | {"GDC": 1}, pointers, aligned)  # trigger after the wait (the default)
+        assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
         return ptx
     pointers = pointers or {}
     signature, attrs = {}, {}

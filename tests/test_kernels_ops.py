@@ -356,6 +356,30 @@ def test_programmatic_dependent_launch_for_named_parts_of_the_model_only(monkeyp
         kernels.reset_pdl()
 
 
+def test_programmatic_dependent_launch_trigger_is_chosen_reported_and_checked(monkeypatch):
+    from engine.kernels.pdl import TRIGGER_ENV
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    try:
+        for value, gdc in (("", 1), ("after_wait", 1), ("early", 2)):
+            monkeypatch.setenv(TRIGGER_ENV, value)
+            with kernels.pdl_mode("on"):
+                assert kernels.launch_options(gpu) == {"GDC": gdc, "launch_pdl": True}
+                reported = kernels.kernels_status()["pdl"]["cuda:0"]
+                assert reported["trigger"] == (value or "after_wait")
+                assert reported["reason"].endswith(f"trigger {value or 'after_wait'}")
+        with kernels.pdl_mode("off"):  # the trigger means nothing without PDL
+            assert kernels.launch_options(gpu) == {"GDC": False}
+            assert kernels.kernels_status()["pdl"]["cuda:0"]["trigger"] is None
+        monkeypatch.setenv(TRIGGER_ENV, "soon")
+        with kernels.pdl_mode("on"), pytest.raises(ValueError, match="VOICELANE_PDL_TRIGGER='soon'"):
+            kernels.launch_options(gpu)
+    finally:
+        kernels.reset_pdl()
+
+
 def test_the_model_names_its_parts_around_their_launches(monkeypatch):
     from engine.kernels import norm
     from engine.kernels.pdl import _PART

@@ -1,11 +1,14 @@
 """Device-side halves of programmatic dependent launch (engine/kernels/__init__.py decides where it is on).
 
 A kernel launched as a programmatic dependent may start while the kernel before it on the stream still runs. So
-every such kernel calls `wait_inputs` before it writes anything or reads anything an earlier kernel wrote; only
-then does it let the next kernel launch, so at most two kernels overlap and each waits for the one before (which
-waited for its own): the order of writes is the stream's order. Reads of constants (weights) may come before
-the wait: `prefetch_l2` pulls them into L2 meanwhile. With GDC False both are no-ops, so the same kernels run in
-triton's interpreter and on GPUs without PDL.
+every such kernel calls `wait_inputs` before it writes anything or reads anything an earlier kernel wrote, and
+each waits for the one before (which waited for its own): the order of writes is the stream's order. Reads of
+constants (weights) may come before the wait: `prefetch_l2` pulls them into L2 meanwhile, or a preloading kernel
+reads them into registers. GDC (engine/kernels/pdl.py's launch_options) says when the next kernel may launch:
+- AFTER_WAIT (1): once this kernel's inputs are ready, so at most two kernels overlap;
+- EARLY (2): at once, so the kernels after it launch while it still waits (each only once every program of the
+  one before has started): their weight reads can run several kernels ahead of the data they multiply.
+With GDC 0 (False) both calls are no-ops, so the same kernels run in triton's interpreter and on GPUs without PDL.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ L2_LINE_BYTES = 128
 
 @triton.jit
 def wait_inputs(GDC: tl.constexpr):
-    if GDC:
+    if GDC == 2:  # trigger early (pdl.TRIGGERS)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 

@@ -7,6 +7,10 @@ measured no faster on the H200 (docs/PERFORMANCE.md: the Talker and the prefill 
 noise). VOICELANE_PDL=code_predictor (or talker, or both, comma-separated) turns it on for the kernels launched
 inside that part of the model only (`model_part`, set by the model): a part that gains keeps it, one that loses
 does not. Kernel launch wrappers pass `**launch_options(device)`.
+
+VOICELANE_PDL_TRIGGER says when, under PDL, a kernel lets the next one launch: `after_wait` (the default: once its
+own inputs are ready, two kernels overlap at most) or `early` (at its start: the kernels after it launch while it
+still waits, so preloaded weight reads run several kernels ahead; an experiment, engine/kernels/gdc.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ log = logging.getLogger("voicelane.kernels")
 PDL_ENV = "VOICELANE_PDL"
 PDL_CHOICES = ("off", "on")
 PDL_PARTS = ("talker", "code_predictor")  # the model's parts that name themselves (model_part)
+TRIGGER_ENV = "VOICELANE_PDL_TRIGGER"
+TRIGGERS = {"after_wait": 1, "early": 2}  # the kernels' GDC constexpr under PDL (0: off): gdc.wait_inputs
 _PART: ContextVar[str | None] = ContextVar("voicelane_model_part", default=None)
 
 
@@ -32,7 +38,7 @@ class KernelsUnavailable(RuntimeError):
     sm_90)."""
 
 
-_pdl_devices: dict[str, tuple[bool, str, frozenset[str] | None]] = {}
+_pdl_devices: dict[str, tuple[bool, str, frozenset[str] | None, int]] = {}
 _pdl_override: str | None = None
 
 
@@ -48,19 +54,22 @@ def _wanted() -> tuple[str, frozenset[str] | None]:
     return wanted, parts
 
 
-def _pdl_decision(device: torch.device) -> tuple[bool, str, frozenset[str] | None]:
-    """(PDL on, why, the parts it is on for; None: all) for Triton launches on `device`: off unless VOICELANE_PDL
-    asks, which where the device cannot (before sm_90, the CPU) is an error, not a silent fallback."""
+def _pdl_decision(device: torch.device) -> tuple[bool, str, frozenset[str] | None, int]:
+    """(PDL on, why, the parts it is on for (None: all), the kernels' GDC value) for Triton launches on `device`:
+    off unless VOICELANE_PDL asks, which where the device cannot (before sm_90, the CPU) is an error, not a silent
+    fallback."""
     wanted, parts = _wanted()
     if wanted == "off":
-        return False, f"{PDL_ENV}=off (the default: no faster on the H200)", None
+        return False, f"{PDL_ENV}=off (the default: no faster on the H200)", None, 0
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         why = "not a CUDA device" if device.type != "cuda" else "triton's interpreter"
     elif torch.cuda.get_device_capability(device) < (9, 0):
         why = f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))} (PDL needs sm_90 or later)"
     else:
         where = "every Triton kernel" if parts is None else f"the Triton kernels of {', '.join(sorted(parts))}"
-        return True, f"{PDL_ENV}={wanted}: {where} launch as programmatic dependents", parts
+        when = trigger()
+        return True, f"{PDL_ENV}={wanted}: {where} launch as programmatic dependents, trigger {when}", parts, \
+            TRIGGERS[when]
     raise KernelsUnavailable(f"{PDL_ENV}={wanted}, but {why}")
 
 
@@ -70,7 +79,7 @@ def pdl(device: torch.device) -> bool:
     return _decided(device)[0]
 
 
-def _decided(device: torch.device) -> tuple[bool, str, frozenset[str] | None]:
+def _decided(device: torch.device) -> tuple[bool, str, frozenset[str] | None, int]:
     key = str(device)
     if key not in _pdl_devices:
         _pdl_devices[key] = _pdl_decision(device)
@@ -78,11 +87,20 @@ def _decided(device: torch.device) -> tuple[bool, str, frozenset[str] | None]:
     return _pdl_devices[key]
 
 
+def trigger() -> str:
+    """VOICELANE_PDL_TRIGGER: after_wait (unset) or early."""
+    value = os.environ.get(TRIGGER_ENV, "").strip().lower() or "after_wait"
+    if value not in TRIGGERS:
+        raise ValueError(f"{TRIGGER_ENV}={value!r}: choose one of {', '.join(TRIGGERS)}")
+    return value
+
+
 def launch_options(device: torch.device) -> dict:
-    """Keyword arguments for a kernel launch with a `GDC` constexpr: PDL on or off for this device and part."""
-    on, _, parts = _decided(device)
+    """Keyword arguments for a kernel launch with a `GDC` constexpr: PDL on or off for this device and part, and
+    when the next kernel may launch."""
+    on, _, parts, gdc = _decided(device)
     if on and (parts is None or _PART.get() in parts):
-        return {"GDC": True, "launch_pdl": True}
+        return {"GDC": gdc, "launch_pdl": True}
     return {"GDC": False}
 
 
@@ -99,9 +117,10 @@ def model_part(name: str) -> Iterator[None]:
 
 
 def pdl_status() -> dict:
-    """{device: {"enabled", "reason"}} for the devices decided so far."""
-    return {device: {"enabled": on, "reason": why, "parts": sorted(parts) if parts else "all" if on else None}
-            for device, (on, why, parts) in _pdl_devices.items()}
+    """{device: {"enabled", "reason", "parts", "trigger"}} for the devices decided so far."""
+    names = {v: k for k, v in TRIGGERS.items()}
+    return {device: {"enabled": on, "reason": why, "parts": sorted(parts) if parts else "all" if on else None,
+                     "trigger": names.get(gdc)} for device, (on, why, parts, gdc) in _pdl_devices.items()}
 
 
 def reset_pdl() -> None:
