@@ -347,12 +347,14 @@ def _ring_definition(q, history, positions, window, scale):
 @pytest.mark.parametrize("positions,t,window", [((0, 3, 1003), 1, 6), ((7, 0, 2), 4, 6), ((41, 5, 1), 9, 6),
                                                 ((10, 26, 0), 40, 6), ((0, 17, 300), 3, 40)],
                          ids=["t1-wrapped", "t4", "t9-longer-than-window", "t40-several-blocks", "ring-of-2-blocks"])
-def test_ring_attention_equals_the_definition(positions, t, window):
-    """A streaming step's attention over the ring (W = 6: 5 columns; or 40: 39 columns, two key blocks of the
-    kernel) and its new frames, for rows at different positions in one batch (a fresh stream, one inside its first
-    window, one that has wrapped the ring many times), rows in a different order than their slots, GQA, t longer
-    than the window and past one block of queries and of new keys: the PyTorch path and the Triton kernel (the
-    interpreter on the CPU) against the definition, fp32; stale columns (before a stream's start) are never read."""
+@pytest.mark.parametrize("block_n", [None, 16], ids=["one-round", "rounds-of-16"])
+def test_ring_attention_equals_the_definition(positions, t, window, block_n):
+    """A streaming step's attention over the ring (W = 6: 5 columns; or 40: 39 columns) and its new frames, for rows
+    at different positions in one batch (a fresh stream, one inside its first window, one that has wrapped the ring
+    many times), rows in a different order than their slots, GQA, t longer than the window and past one block of
+    queries: the PyTorch path and the Triton kernel (the interpreter on the CPU; its keys in one round, as the
+    engine's, or in rounds of 16 that cut across the ring's end) against the definition, fp32; stale columns
+    (before a stream's start) are never read."""
     from engine import kernels
     from engine.kernels.codec_transformer import ring_attention, ring_attention_torch
 
@@ -362,7 +364,7 @@ def test_ring_attention_equals_the_definition(positions, t, window):
     ref = _ring_definition(q, history, positions, window, scale)
     got_torch = ring_attention_torch(q, new_kv, ring, slots, pos, window, scale)
     with kernels.backend("triton"):
-        got_triton = ring_attention(q, new_kv, ring, slots, pos, window, scale)
+        got_triton = ring_attention(q, new_kv, ring, slots, pos, window, scale, block_n=block_n)
     assert got_torch.shape == got_triton.shape == (len(positions), t, 4, 8)
     assert (got_torch.double().cpu() - ref).abs().max().item() < 1e-5
     assert (got_triton.double().cpu() - ref).abs().max().item() < 1e-5

@@ -127,8 +127,9 @@ def compile_codec(dtype: str) -> None:
     for add in (True, False):
         _compile(norm, dtype, {"HAS_ADD": add, "BLOCK": 512})
     _compile(rope, dtype, {"HD": 64, "BLOCK": 64})
-    _compile(ring, dtype, {"HD": 64, "BLOCK_D": 64, "BLOCK_T": 16, "BLOCK_N": 32, "RING_BLOCKS": 3,
-                           "IEEE": dtype == "fp32"}, {"slots_ptr": "*i64", "pos_ptr": "*i64"})
+    for block_n in (32, 128):  # several rounds; the real codec's one
+        _compile(ring, dtype, {"HD": 64, "BLOCK_D": 64, "BLOCK_T": 16, "BLOCK_N": block_n, "IEEE": dtype == "fp32"},
+                 {"slots_ptr": "*i64", "pos_ptr": "*i64"})
 
 
 def compile_cp_forward(dtype: str) -> None:

@@ -82,9 +82,10 @@ def _kernels():
     def ring_attention_kernel(q_ptr, new_ptr, ring_ptr, slots_ptr, pos_ptr, out_ptr, t, R, W, GROUP, scale,
                               q_sb, q_sh, q_st, n_sb, n_sj, n_sh, n_st, r_ss, r_sj, r_sh, r_sc, o_sb, o_st, o_sh,
                               HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                              BLOCK_N: tl.constexpr, RING_BLOCKS: tl.constexpr, IEEE: tl.constexpr):
-        # One (row b, query head, block of BLOCK_T query frames) per program. Keys in blocks of BLOCK_N: the ring's
-        # W-1 columns (RING_BLOCKS blocks), then the step's t new frames, folded into one fp32 online softmax.
+                              BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        # One (row b, query head, block of BLOCK_T query frames) per program. The keys are one sequence: the ring's
+        # R = W-1 columns, then the step's t new frames; blocks of BLOCK_N of it folded into one fp32 online
+        # softmax (the launcher makes one block hold all R + t where it can: one round of loads, no rescaling).
         b = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         kvh = head // GROUP
@@ -101,18 +102,19 @@ def _kernels():
         acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
         # A while loop: triton 3.6's interpreter cannot take a kernel argument as a range() bound.
         block = 0
-        while block < RING_BLOCKS + tl.cdiv(t, BLOCK_N):
-            in_ring = block < RING_BLOCKS
-            idx = tl.where(in_ring, block, block - RING_BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)
+        while block < tl.cdiv(R + t, BLOCK_N):
+            j = block * BLOCK_N + tl.arange(0, BLOCK_N)
+            in_ring = j < R
+            c = tl.where(in_ring, j, j - R)  # the ring's column, or the new frame
             # Ring column c holds frame pos - R + age, age = (c - pos) mod R: query pos + s sees it inside the
             # window (age >= s: distance <= R = W - 1) and from the stream's start on (age >= R - pos). New frame
-            # j: 0 <= s - j < W.
-            age = (idx + R - pos % R) % R
-            dist = s[:, None] - idx[None, :]
-            seen = tl.where(in_ring, (idx < R)[None, :] & (age[None, :] >= s[:, None]) & (age >= R - pos)[None, :],
-                            (idx < t)[None, :] & (dist >= 0) & (dist < W))
-            key = tl.where(in_ring, ring + idx * r_sc, new + idx * n_st)
-            load_ok = (tl.where(in_ring, idx < R, idx < t))[:, None] & d_ok[None, :]
+            # c: 0 <= s - c < W.
+            age = (c + R - pos % R) % R
+            dist = s[:, None] - c[None, :]
+            seen = tl.where(in_ring[None, :], (age[None, :] >= s[:, None]) & (age >= R - pos)[None, :],
+                            (c < t)[None, :] & (dist >= 0) & (dist < W))
+            key = tl.where(in_ring, ring + c * r_sc, new + c * n_st)
+            load_ok = (j < R + t)[:, None] & d_ok[None, :]
             k = tl.load(key[:, None] + d[None, :], mask=load_ok, other=0.0)
             if IEEE:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -124,7 +126,7 @@ def _kernels():
             p = tl.exp(scores - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(key[:, None] + tl.where(in_ring, r_sj, n_sj) + d[None, :], mask=load_ok, other=0.0)
+            v = tl.load(key[:, None] + tl.where(in_ring, r_sj, n_sj)[:, None] + d[None, :], mask=load_ok, other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -230,9 +232,10 @@ def ring_attention_torch(q: Tensor, new_kv: Tensor, ring: Tensor, slots: Tensor,
 
 
 def ring_attention(q: Tensor, new_kv: Tensor, ring: Tensor, slots: Tensor, pos: Tensor, window: int,
-                   scale: float, mask: Tensor | None = None) -> Tensor:
+                   scale: float, mask: Tensor | None = None, block_n: int | None = None) -> Tensor:
     """See ring_attention_torch; one kernel on the Triton path (which ignores `mask`: it masks from pos itself),
-    out then contiguous [B, t, H, hd]."""
+    out then contiguous [B, t, H, hd]. block_n: keys a loop round (default: all W-1+t of them, up to 128; tests
+    pass less to exercise the rounds)."""
     if not use_triton(q.device):
         return ring_attention_torch(q, new_kv, ring, slots, pos, window, scale, mask)
     B, H, t, hd = q.shape
@@ -244,10 +247,10 @@ def ring_attention(q: Tensor, new_kv: Tensor, ring: Tensor, slots: Tensor, pos: 
         raise ValueError("ring_attention: q, new_kv and ring need a unit stride along the head dimension")
     out = q.new_empty(B, t, H, hd)
     block_t = 16  # tl.dot needs 16 rows; a step's t is 1..12 in the engine
-    block_n = 32  # keys per block: the real codec's ring of 71 columns in 3 blocks, t <= 32 new frames in 1
+    if block_n is None:  # the real codec's 71 ring columns and up to 57 new frames in one round
+        block_n = min(128, max(16, 1 << (R + t - 1).bit_length()))
     _kernels()[2][(B, H, -(-t // block_t))](
         q, new_kv, ring, slots, pos, out, t, R, window, H // Hkv, scale, *q.stride()[:3], *new_kv.stride()[:4],
         *ring.stride()[:4], *out.stride()[:3], HD=hd, BLOCK_D=max(16, 1 << max(hd - 1, 0).bit_length()),
-        BLOCK_T=block_t, BLOCK_N=block_n, RING_BLOCKS=-(-R // block_n),
-        IEEE=q.dtype == torch.float32)
+        BLOCK_T=block_t, BLOCK_N=block_n, IEEE=q.dtype == torch.float32)
     return out
