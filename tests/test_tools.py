@@ -74,6 +74,14 @@ def test_profile_stages_times_and_counts_every_stage(tmp_path):
         top = r["top_kernels"]
         assert top and [k["total_us"] for k in top] == sorted((k["total_us"] for k in top), reverse=True)
         assert sum(k["count"] for k in top) <= r["kernels"] and all(k["name"].startswith("aten::") for k in top)
+        assert r["span_us"] is None  # the device window is a CUDA measure
+
+
+def test_device_span_is_first_start_to_last_end_with_overlaps_and_gaps():
+    from engine.tools.profile_stages import span_us
+
+    assert span_us([(10.0, 12.0)]) == 2.0
+    assert span_us([(15.0, 20.0), (10.0, 14.0), (13.0, 30.0)]) == 20.0  # out of order, overlapping, a gap
 
 
 def test_profile_stages_captures_the_graphs_of_the_stages_it_times():

@@ -18,7 +18,9 @@ With several --codec-layouts, the codec stage is measured once per activation la
 "codec_layout"); the other stages do not depend on it and are measured with the first one only.
 
 Each number is the median wall time of launch + collect (the runner's own entry points, so index uploads and
-result copies count) over --repeat calls after one warm-up call. This is where a step's milliseconds go; the
+result copies count) over --repeat calls after one warm-up call; "span" (CUDA) is the median over 5 profiled calls
+of the device's window from the call's first device op to its last (the measure that stays honest when kernels
+overlap under programmatic dependent launch, where the kernel sum does not). This is where a step's milliseconds go; the
 scheduler and the server are not involved. On CUDA every launch runs under torch's sync debug mode "error": a step
 that makes the host wait for the device fails the tool.
 """
@@ -81,6 +83,29 @@ def kernel_breakdown(fn, device: torch.device, top: int = 15) -> dict:
     return {"count": len(timed), "total_us": round(sum(us for _, us in timed), 1),
             "top": [{"name": name[:200], "count": len(us), "total_us": round(sum(us), 1),
                      "mean_us": round(sum(us) / len(us), 2)} for name, us in ranked]}
+
+
+def span_us(ranges: list[tuple[float, float]]) -> float:
+    """The device's window over (start, end) us ranges: first start to last end, overlaps and gaps included."""
+    return max(end for _, end in ranges) - min(start for start, _ in ranges)
+
+
+def device_span(fn, device: torch.device, calls: int = 5) -> float | None:
+    """Median over `calls` profiled calls of fn of the window from its first device op's start to its last one's
+    end (None on a CPU). Under programmatic dependent launch kernels overlap, so the sum of kernel times counts a
+    kernel's wait as its time; this window is what a step occupies the device for."""
+    if device.type != "cuda":
+        return None
+    spans = []
+    for _ in range(calls):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        ranges = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA]
+        if ranges:
+            spans.append(span_us(ranges))
+    return round(statistics.median(spans), 1) if spans else None
 
 
 def format_breakdown(title: str, breakdown: dict) -> str:
@@ -183,7 +208,7 @@ def profile(loaded, graphs: str, batches: list[int], prompt_lens: list[int], chu
             extra["codec_layout"] = layout
         rows.append({"stage": stage, "batch": batch, **extra, "graphs": graphs, "ms": round(ms, 3),
                      "kernels": breakdown["count"], "kernel_us": breakdown["total_us"],
-                     "top_kernels": breakdown["top"]})
+                     "span_us": device_span(fn, loaded.device), "top_kernels": breakdown["top"]})
         on_row(rows[-1])
 
     for b in batches:
@@ -268,10 +293,12 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         print(format_breakdown(f"\n{r['stage']} B{r['batch']} {extra(r)} graphs {r['graphs']}",
                                {"count": r["kernels"], "total_us": r["kernel_us"], "top": r["top_kernels"]}))
-    print(f"\n{'stage':<15} {'batch':>5} {'extra':>10} {'graphs':>7} {'ms':>9} {'kernels':>8} {'kernel ms':>10}")
+    print(f"\n{'stage':<15} {'batch':>5} {'extra':>10} {'graphs':>7} {'ms':>9} {'kernels':>8} {'kernel ms':>10} "
+          f"{'span ms':>8}")
     for r in rows:
+        span = "-" if r["span_us"] is None else f"{r['span_us'] / 1e3:.3f}"
         print(f"{r['stage']:<15} {r['batch']:>5} {extra(r):>10} {r['graphs']:>7} {r['ms']:>9.3f} {r['kernels']:>8} "
-              f"{r['kernel_us'] / 1e3:>10.3f}")
+              f"{r['kernel_us'] / 1e3:>10.3f} {span:>8}")
     write(True)
 
 
