@@ -3,6 +3,7 @@ and the edges (length 1, a full cache bucket, padded rows, right-padded prefill,
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -382,16 +383,23 @@ def test_programmatic_dependent_launch_trigger_is_chosen_reported_and_checked(mo
 
 def test_the_model_names_its_parts_around_their_launches(monkeypatch):
     from engine.kernels import norm
-    from engine.kernels.pdl import _PART
+    from engine.kernels.pdl import _PART, _ROWS
     from engine.model.generate import Frame, GenerationRequest, generate
     from engine.model.prompt import build_prompt, resolve_voice
     from engine.model.random_model import build_random_model
     from engine.model.sampling_params import SamplingParams
 
     model = build_random_model("tiny", seed=5)
-    parts = []
+    parts, cp_rows = [], set()
     real = norm.launch_options
-    monkeypatch.setattr(norm, "launch_options", lambda device: parts.append(_PART.get()) or real(device))
+
+    def seen(device):
+        parts.append(_PART.get())
+        if _PART.get() == "code_predictor":
+            cp_rows.add(_ROWS.get())
+        return real(device)
+
+    monkeypatch.setattr(norm, "launch_options", seen)
     voice = resolve_voice(model.config, "ryan", "english")
     text = list(range(1000, 1006))
     request = GenerationRequest(build_prompt(model.config, voice, text, "whole", None), text, "whole",
@@ -399,3 +407,43 @@ def test_the_model_names_its_parts_around_their_launches(monkeypatch):
     with kernels.backend("triton"):
         frames = [e for e in generate(model.tts, [request]) if isinstance(e, Frame)]
     assert frames and set(parts) == {"talker", "code_predictor"}  # every norm launch inside one of the two
+    assert cp_rows == {1}  # the Code Predictor says its batch's rows (the pipeline's condition)
+
+
+def test_code_predictor_pipeline_covers_its_small_frames_only_and_is_refused_where_it_cannot_run(monkeypatch):
+    from engine.kernels import linear
+    from engine.kernels.pdl import PIPELINE_BLOCK_K, PIPELINE_ENV
+
+    gpu = torch.device("cuda", 0)  # decided without touching a GPU: an sm_90 outside triton's interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(linear, "_device_name", lambda device: "a GPU the table does not hold")
+    monkeypatch.setenv(linear.FORCE_ENV, "cublas")  # the pipeline overrides it inside its frames only
+    monkeypatch.delenv(kernels.PDL_ENV, raising=False)
+    early = {"GDC": 2, "launch_pdl": True}
+    preload = dataclasses.replace(linear.DEFAULT_CONFIG, block_k=PIPELINE_BLOCK_K, preload=True)
+    try:
+        for value, covered in (("off", ()), ("8", (1, 8))):
+            monkeypatch.setenv(PIPELINE_ENV, value)
+            kernels.reset_pdl()
+            for rows in (1, 8, 9, 64):
+                with kernels.model_part("code_predictor", rows):
+                    on = rows in covered
+                    assert kernels.launch_options(gpu) == (early if on else {"GDC": False})
+                    assert linear.choose(gpu, 1024, 2048, rows, False) == (preload if on else None)
+            for part, rows in (("talker", 1), ("code_predictor", None)):  # another part; rows not said
+                with kernels.model_part(part, rows):
+                    assert kernels.launch_options(gpu) == {"GDC": False}
+                    assert linear.choose(gpu, 1024, 2048, 1, False) is None
+            assert kernels.kernels_status()["cp_pipeline"]["rows"] == {"cuda:0": int(value) if covered else 0}
+        kernels.reset_pdl()
+        with kernels.model_part("code_predictor", 1), pytest.raises(kernels.KernelsUnavailable, match=PIPELINE_ENV):
+            kernels.launch_options(torch.device("cpu"))  # asked for where PDL cannot run: an error
+        for bad in ("65", "some", "-1"):
+            monkeypatch.setenv(PIPELINE_ENV, bad)
+            kernels.reset_pdl()
+            with kernels.model_part("code_predictor", 1), pytest.raises(ValueError, match="the most rows"):
+                kernels.launch_options(gpu)
+    finally:
+        monkeypatch.delenv(PIPELINE_ENV, raising=False)
+        kernels.reset_pdl()

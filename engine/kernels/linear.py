@@ -20,6 +20,8 @@ breaks the chain of overlapping launches, which the tuner's one-shape-at-a-time 
 64 (prefill) always go to cuBLAS. VOICELANE_LINEAR_PRELOAD=256 (a K block) gives every skinny launch one K block a
 program, its weights read into registers before the program waits for the kernel before: under PDL the weight
 read of one GEMM overlaps the kernels before it, where the L2 prefetch only moves it closer (an experiment, off).
+Inside a pipelined Code Predictor frame (VOICELANE_CP_PIPELINE, engine/kernels/pdl.py) every launch is the kernel,
+preloading, whatever the switches and the table's choice of cuBLAS say.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from engine.kernels.gdc import L2_LINE_BYTES, prefetch_l2, wait_inputs
 from engine.kernels.lanes import current_lane
 from engine.kernels.norm import swiglu as swiglu_kernel
 from engine.kernels.norm import swiglu_reference
-from engine.kernels.pdl import launch_options
+from engine.kernels.pdl import PIPELINE_BLOCK_K, launch_options, pipelined
 
 log = logging.getLogger("voicelane.kernels.linear")
 
@@ -272,10 +274,15 @@ def choose(device: torch.device, N: int, K: int, rows: int, swiglu: bool,
     """The kernel config for this launch, or None for cuBLAS. The table is measured in bfloat16 (the serving
     dtype); other dtypes take cuBLAS unless forced."""
     force = os.environ.get(FORCE_ENV, "").strip().lower()
-    if rows > MAX_ROWS or force == "cublas":
+    if rows > MAX_ROWS:
         return None
     per_gpu = table().get(_device_name(device), {}) if dtype == TUNED_DTYPE else {}
     entry = per_gpu.get(entry_key(N, K, swiglu, rows))
+    if pipelined(device):  # a pipelined Code Predictor frame (engine.kernels.pdl): every projection preloads
+        config = LinearConfig(**entry["skinny"]) if entry and entry["skinny"] else DEFAULT_CONFIG
+        return replace(config, block_k=PIPELINE_BLOCK_K, preload=True)
+    if force == "cublas":
+        return None
     if force == "triton":
         config = LinearConfig(**entry["skinny"]) if entry and entry["skinny"] else DEFAULT_CONFIG
     else:

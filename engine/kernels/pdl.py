@@ -11,6 +11,12 @@ does not. Kernel launch wrappers pass `**launch_options(device)`.
 VOICELANE_PDL_TRIGGER says when, under PDL, a kernel lets the next one launch: `after_wait` (the default: once its
 own inputs are ready, two kernels overlap at most) or `early` (at its start: the kernels after it launch while it
 still waits, so preloaded weight reads run several kernels ahead; an experiment, engine/kernels/gdc.py).
+
+VOICELANE_CP_PIPELINE=<rows> (off by default) is those experiments put together where they measured faster (H100,
+docs/PERFORMANCE.md): the Code Predictor's frames of at most <rows> rows run pipelined, whatever the switches above
+say: PDL with the early trigger, and every projection on the skinny GEMM with one K block of PIPELINE_BLOCK_K a
+program, its weights read before the wait (engine/kernels/linear.py). Larger batches, where it measured slower,
+and the rest of the model are untouched. `model_part(name, rows)` carries the rows.
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ PDL_CHOICES = ("off", "on")
 PDL_PARTS = ("talker", "code_predictor")  # the model's parts that name themselves (model_part)
 TRIGGER_ENV = "VOICELANE_PDL_TRIGGER"
 TRIGGERS = {"after_wait": 1, "early": 2}  # the kernels' GDC constexpr under PDL (0: off): gdc.wait_inputs
+PIPELINE_ENV = "VOICELANE_CP_PIPELINE"
+PIPELINE_BLOCK_K = 512  # the preload K block that measured best (H100: 128, 256, 512 tried)
 _PART: ContextVar[str | None] = ContextVar("voicelane_model_part", default=None)
+_ROWS: ContextVar[int | None] = ContextVar("voicelane_model_rows", default=None)
 
 
 class KernelsUnavailable(RuntimeError):
@@ -61,16 +70,49 @@ def _pdl_decision(device: torch.device) -> tuple[bool, str, frozenset[str] | Non
     wanted, parts = _wanted()
     if wanted == "off":
         return False, f"{PDL_ENV}=off (the default: no faster on the H200)", None, 0
+    why = _unable(device)
+    if why is not None:
+        raise KernelsUnavailable(f"{PDL_ENV}={wanted}, but {why}")
+    where = "every Triton kernel" if parts is None else f"the Triton kernels of {', '.join(sorted(parts))}"
+    when = trigger()
+    return True, f"{PDL_ENV}={wanted}: {where} launch as programmatic dependents, trigger {when}", parts, \
+        TRIGGERS[when]
+
+
+def _unable(device: torch.device) -> str | None:
+    """Why Triton launches on `device` cannot be programmatic dependents, or None."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        why = "not a CUDA device" if device.type != "cuda" else "triton's interpreter"
-    elif torch.cuda.get_device_capability(device) < (9, 0):
-        why = f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))} (PDL needs sm_90 or later)"
-    else:
-        where = "every Triton kernel" if parts is None else f"the Triton kernels of {', '.join(sorted(parts))}"
-        when = trigger()
-        return True, f"{PDL_ENV}={wanted}: {where} launch as programmatic dependents, trigger {when}", parts, \
-            TRIGGERS[when]
-    raise KernelsUnavailable(f"{PDL_ENV}={wanted}, but {why}")
+        return "not a CUDA device" if device.type != "cuda" else "triton's interpreter"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))} (PDL needs sm_90 or later)"
+    return None
+
+
+_pipeline: dict[str, int] = {}  # device -> the rows VOICELANE_CP_PIPELINE pipelines up to (0: off), checked
+
+
+def pipeline_rows(device: torch.device) -> int:
+    """VOICELANE_CP_PIPELINE for `device` (decided once): 0 (off), or the most rows a pipelined Code Predictor
+    frame has. Asked for where PDL cannot run: an error, never a silent fallback."""
+    key = str(device)
+    if key not in _pipeline:
+        value = os.environ.get(PIPELINE_ENV, "").strip().lower() or "off"
+        rows = 0 if value == "off" else int(value) if value.isdigit() else -1
+        if not 0 <= rows <= 64:
+            raise ValueError(f"{PIPELINE_ENV}={value!r}: off, or the most rows (1-64) of a pipelined frame")
+        why = _unable(device) if rows else None
+        if why is not None:
+            raise KernelsUnavailable(f"{PIPELINE_ENV}={value}, but {why}")
+        _pipeline[key] = rows
+        log.info("Code Predictor pipeline on %s: %s", key, f"frames of <= {rows} rows (PDL, early trigger, skinny "
+                 f"GEMMs preloading K blocks of {PIPELINE_BLOCK_K})" if rows else f"{PIPELINE_ENV}=off")
+    return _pipeline[key]
+
+
+def pipelined(device: torch.device) -> bool:
+    """Whether the launch about to be made on `device` belongs to a pipelined Code Predictor frame."""
+    rows = _ROWS.get()
+    return _PART.get() == "code_predictor" and rows is not None and 0 < rows <= pipeline_rows(device)
 
 
 def pdl(device: torch.device) -> bool:
@@ -98,6 +140,8 @@ def trigger() -> str:
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for a kernel launch with a `GDC` constexpr: PDL on or off for this device and part, and
     when the next kernel may launch."""
+    if pipelined(device):
+        return {"GDC": TRIGGERS["early"], "launch_pdl": True}
     on, _, parts, gdc = _decided(device)
     if on and (parts is None or _PART.get() in parts):
         return {"GDC": gdc, "launch_pdl": True}
@@ -105,15 +149,17 @@ def launch_options(device: torch.device) -> dict:
 
 
 @contextlib.contextmanager
-def model_part(name: str) -> Iterator[None]:
-    """Kernels launched (and graphs captured) inside belong to this part of the model (one of PDL_PARTS)."""
+def model_part(name: str, rows: int | None = None) -> Iterator[None]:
+    """Kernels launched (and graphs captured) inside belong to this part of the model (one of PDL_PARTS), for a
+    batch of `rows` rows (None: not said)."""
     if name not in PDL_PARTS:
         raise ValueError(f"model part {name!r}: one of {', '.join(PDL_PARTS)}")
-    token = _PART.set(name)
+    token, rows_token = _PART.set(name), _ROWS.set(rows)
     try:
         yield
     finally:
         _PART.reset(token)
+        _ROWS.reset(rows_token)
 
 
 def pdl_status() -> dict:
@@ -123,9 +169,16 @@ def pdl_status() -> dict:
                      "trigger": names.get(gdc)} for device, (on, why, parts, gdc) in _pdl_devices.items()}
 
 
+def pipeline_status() -> dict:
+    """The Code Predictor pipeline: the switch as set, and per device decided so far the rows it covers (0: off)."""
+    return {"switch": PIPELINE_ENV, "set": os.environ.get(PIPELINE_ENV) or None, "block_k": PIPELINE_BLOCK_K,
+            "rows": dict(_pipeline)}
+
+
 def reset_pdl() -> None:
-    """Forget the per-device decisions (after VOICELANE_PDL changed)."""
+    """Forget the per-device decisions (after VOICELANE_PDL or VOICELANE_CP_PIPELINE changed)."""
     _pdl_devices.clear()
+    _pipeline.clear()
 
 
 @contextlib.contextmanager

@@ -92,7 +92,7 @@ class CodePredictor(nn.Module):
         forced [B, 15] (teacher forcing, tests): feed these codes instead of the chosen ones.
         Returns codes [B, 15] int64 and, with keep_logits, logits [B, 15, V] float32.
         """
-        with kernels.model_part("code_predictor"):  # its launches (PDL per part: engine.kernels.pdl)
+        with kernels.model_part("code_predictor", hidden.shape[0]):  # its launches (PDL per part and rows: pdl.py)
             B = hidden.shape[0]
             device, dtype = hidden.device, hidden.dtype
             cache = cache if cache is not None else self.new_cache(B, device, dtype)
