@@ -19,8 +19,10 @@ With several --codec-layouts, the codec stage is measured once per activation la
 
 Each number is the median wall time of launch + collect (the runner's own entry points, so index uploads and
 result copies count) over --repeat calls after one warm-up call; "span" (CUDA) is the median over 5 profiled calls
-of the device's window from the call's first device op to its last (the measure that stays honest when kernels
-overlap under programmatic dependent launch, where the kernel sum does not). This is where a step's milliseconds go; the
+of the device's window from the call's first device op to its last. Under programmatic dependent launch the kernel
+sum counts a kernel's wait as its time and the span does not, but the profiler adds a cost per kernel to it (H100,
+5272deb: the Code Predictor at B1 spans 4.52 ms under the profiler, 3.68 ms of wall time without): compare spans
+only between variants with the same kernels. This is where a step's milliseconds go; the
 scheduler and the server are not involved. On CUDA every launch runs under torch's sync debug mode "error": a step
 that makes the host wait for the device fails the tool.
 """
@@ -92,8 +94,7 @@ def span_us(ranges: list[tuple[float, float]]) -> float:
 
 def device_span(fn, device: torch.device, calls: int = 5) -> float | None:
     """Median over `calls` profiled calls of fn of the window from its first device op's start to its last one's
-    end (None on a CPU). Under programmatic dependent launch kernels overlap, so the sum of kernel times counts a
-    kernel's wait as its time; this window is what a step occupies the device for."""
+    end (None on a CPU), profiler costs included (see the module's docstring)."""
     if device.type != "cuda":
         return None
     spans = []
