@@ -417,7 +417,7 @@ def test_code_predictor_pipeline_covers_its_small_frames_only_and_is_refused_whe
     gpu = torch.device("cuda", 0)  # decided without touching a GPU: an sm_90 outside triton's interpreter
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(linear, "_device_name", lambda device: "a GPU the table does not hold")
+    monkeypatch.setattr(linear, "_device_name", lambda device: "NVIDIA H200")  # its tuned entries are not used
     monkeypatch.setenv(linear.FORCE_ENV, "cublas")  # the pipeline overrides it inside its frames only
     monkeypatch.delenv(kernels.PDL_ENV, raising=False)
     early = {"GDC": 2, "launch_pdl": True}

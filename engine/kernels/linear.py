@@ -278,9 +278,9 @@ def choose(device: torch.device, N: int, K: int, rows: int, swiglu: bool,
         return None
     per_gpu = table().get(_device_name(device), {}) if dtype == TUNED_DTYPE else {}
     entry = per_gpu.get(entry_key(N, K, swiglu, rows))
-    if pipelined(device):  # a pipelined Code Predictor frame (engine.kernels.pdl): every projection preloads
-        config = LinearConfig(**entry["skinny"]) if entry and entry["skinny"] else DEFAULT_CONFIG
-        return replace(config, block_k=PIPELINE_BLOCK_K, preload=True)
+    if pipelined(device):  # a pipelined Code Predictor frame (engine.kernels.pdl): every projection preloads, in
+        # the shape measured (a tuned entry's wider blocks would hold twice the registers a program while it waits)
+        return replace(DEFAULT_CONFIG, block_k=PIPELINE_BLOCK_K, preload=True)
     if force == "cublas":
         return None
     if force == "triton":

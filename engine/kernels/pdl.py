@@ -14,9 +14,9 @@ still waits, so preloaded weight reads run several kernels ahead; an experiment,
 
 VOICELANE_CP_PIPELINE=<rows> (off by default) is those experiments put together where they measured faster (H100,
 docs/PERFORMANCE.md): the Code Predictor's frames of at most <rows> rows run pipelined, whatever the switches above
-say: PDL with the early trigger, and every projection on the skinny GEMM with one K block of PIPELINE_BLOCK_K a
-program, its weights read before the wait (engine/kernels/linear.py). Larger batches, where it measured slower,
-and the rest of the model are untouched. `model_part(name, rows)` carries the rows.
+say: PDL with the early trigger, and every projection on the skinny GEMM (its default config) with one K block of
+PIPELINE_BLOCK_K a program, its weights read before the wait (engine/kernels/linear.py). Larger batches, where it
+measured slower, and the rest of the model are untouched. `model_part(name, rows)` carries the rows.
 """
 
 from __future__ import annotations
