@@ -41,6 +41,51 @@ def test_skinny_linear_matches_reference(config, rows, N, K, swiglu, dtype):
     assert int(kl._TICKETS[("cpu", -(-N // config.block_n), None)].abs().sum()) == 0  # left ready for a replay
 
 
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[3], kl.LinearConfig(16, 64, 1, True, 4, 2, True)],
+                         ids=["n16k32", "n32k64s3", "n16k32pre", "n16k64pre"])
+@pytest.mark.parametrize("rows,N,K", [(1, 48, 96), (3, 40, 100), (8, 64, 128)])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_norm_prologue_equals_add_rms_norm_then_the_product(config, rows, N, K, with_residual, dtype):
+    from engine.kernels.norm import add_rms_norm
+
+    g = torch.Generator().manual_seed(rows * 100 + N + K)
+    x = torch.randn(2, rows, K, generator=g).to(dtype)[:, :rows]
+    residual = torch.randn(2, rows, K, generator=g).to(dtype) if with_residual else None
+    norm_w, w = (1 + torch.randn(K, generator=g) / 4).to(dtype), torch.randn(N, K, generator=g).to(dtype)
+    h, y = kl.skinny_norm_linear(x, kl.NormPrologue(residual, norm_w, 1e-6), w, config)
+    h_apart, normed = add_rms_norm(x, residual, norm_w, 1e-6)  # the two kernels it replaces
+    assert h.shape == x.shape and y.shape == (2, rows, N) and y.dtype == dtype
+    assert torch.equal(h, h_apart)  # every element of the sum written, rounded as the norm kernel rounds it
+    assert (h is x) == (residual is None)
+    # the product of the normed rows, as the kernel without the prologue computes it (the rows' sums of squares
+    # may add in another order: one rounding of the normed value apart at most)
+    torch.testing.assert_close(y, kl.skinny_linear(normed, w, config), rtol=1e-5 if dtype == torch.float32 else 4e-3,
+                               atol=1e-4 if dtype == torch.float32 else 2e-2)
+    want = kl.reference(normed.double(), w.double())
+    assert float((y.double() - want).abs().max() / want.abs().max()) < (1e-6 if dtype == torch.float32 else 2e-3)
+
+
+def test_norm_linear_takes_one_launch_where_the_kernel_runs_and_two_where_cublas_does(monkeypatch):
+    from engine.kernels import norm
+
+    launches = []
+    monkeypatch.setattr(norm, "add_rms_norm", lambda *a: launches.append("norm") or norm.add_rms_norm_reference(*a))
+    x, r, nw, w = torch.randn(2, 64), torch.randn(2, 64), torch.rand(64) + 0.5, torch.randn(24, 64)
+    for force, want in (("triton", []), ("cublas", ["norm"])):
+        monkeypatch.setenv(kl.FORCE_ENV, force)
+        launches.clear()
+        h, y = kl.norm_linear(x, r, nw, 1e-6, w)
+        assert launches == want
+        h_ref, normed = norm.add_rms_norm_reference(x, r, nw, 1e-6)
+        torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
+        torch.testing.assert_close(y, torch.nn.functional.linear(normed, w), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="norm's weight"):
+        kl.skinny_norm_linear(x, kl.NormPrologue(r, torch.ones(63), 1e-6), w)
+    with pytest.raises(ValueError, match="residual"):
+        kl.skinny_norm_linear(x, kl.NormPrologue(r[:1], nw, 1e-6), w)
+
+
 def test_split_sums_are_deterministic_and_leading_dims_kept():
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(2, 3, 256, generator=g), torch.randn(40, 256, generator=g)

@@ -246,7 +246,7 @@ def test_gpu_check_script_runs_its_kernel_checks_on_the_cpu(tmp_path):
     assert main([str(tmp_path), "--smoke", "--no-model", "--model", "random:tiny"]) == 0
     rows = json.loads((tmp_path / "gpu_check_kernels.json").read_text())["kernels_checked"]
     assert {r["kernel"] for r in rows} == {"add_rms_norm", "swiglu", "qk_norm_rope_store", "cache_attention",
-                                           "short_attention", "cp_forward"}
+                                           "short_attention", "cp_forward", "norm_linear"}
     one_kernel = [r for r in rows if r["kernel"] == "cp_forward"]
     assert one_kernel and all(r["persistent_equals_phased"] and r["barrier_timeouts"] == 0 for r in one_kernel)
     assert all(r["ok"] and r["rel_err"] < 4e-3 for r in rows)
@@ -260,6 +260,17 @@ def test_gpu_check_script_can_check_cp_forward_alone(tmp_path):
     assert main([str(tmp_path), "--smoke", "--no-model", "--cp-forward-only", "--model", "random:tiny"]) == 0
     rows = json.loads((tmp_path / "gpu_check_kernels.json").read_text())["kernels_checked"]
     assert rows and {r["kernel"] for r in rows} == {"cp_forward"}
+
+
+def test_gpu_check_script_can_check_named_kernels_alone(tmp_path):
+    import json
+
+    from engine.tools.gpu_check_kernels import main
+
+    assert main([str(tmp_path), "--smoke", "--no-model", "--kernels", "norm_linear", "--model", "random:tiny"]) == 0
+    rows = json.loads((tmp_path / "gpu_check_kernels.json").read_text())["kernels_checked"]
+    assert len(rows) == 2 * 3 * 2 * 2 and {r["kernel"] for r in rows} == {"norm_linear"}  # dtypes, rows, weights,
+    assert all(r["ok"] for r in rows)  # with and without a residual
 
 
 def test_gpu_check_script_can_check_graphs_against_eager_alone(tmp_path):
@@ -412,7 +423,7 @@ def test_the_model_names_its_parts_around_their_launches(monkeypatch):
 
 def test_code_predictor_pipeline_covers_its_small_frames_only_and_is_refused_where_it_cannot_run(monkeypatch):
     from engine.kernels import linear
-    from engine.kernels.pdl import PIPELINE_BLOCK_K, PIPELINE_ENV
+    from engine.kernels.pdl import FOLD_ENV, PIPELINE_BLOCK_K, PIPELINE_ENV
 
     gpu = torch.device("cuda", 0)  # decided without touching a GPU: an sm_90 outside triton's interpreter
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -423,7 +434,7 @@ def test_code_predictor_pipeline_covers_its_small_frames_only_and_is_refused_whe
     early = {"GDC": 2, "launch_pdl": True}
     preload = dataclasses.replace(linear.DEFAULT_CONFIG, block_k=PIPELINE_BLOCK_K, preload=True)
     try:
-        for value, covered in (("off", ()), ("8", (1, 8))):
+        for value, covered, most in (("off", (), 0), ("8", (1, 8), 8), ("", (1, 8), 8), ("2", (1,), 2)):  # "": unset
             monkeypatch.setenv(PIPELINE_ENV, value)
             kernels.reset_pdl()
             for rows in (1, 8, 9, 64):
@@ -431,11 +442,26 @@ def test_code_predictor_pipeline_covers_its_small_frames_only_and_is_refused_whe
                     on = rows in covered
                     assert kernels.launch_options(gpu) == (early if on else {"GDC": False})
                     assert linear.choose(gpu, 1024, 2048, rows, False) == (preload if on else None)
+                    for fold in ("on", "off"):  # the norms fold inside pipelined frames only, and when asked
+                        monkeypatch.setenv(FOLD_ENV, fold)
+                        assert kernels.folded_norms(gpu) == (on and fold == "on")
+                    monkeypatch.setenv(FOLD_ENV, "sometimes")
+                    with pytest.raises(ValueError, match=FOLD_ENV):
+                        kernels.folded_norms(gpu)
+                    monkeypatch.delenv(FOLD_ENV)
             for part, rows in (("talker", 1), ("code_predictor", None)):  # another part; rows not said
                 with kernels.model_part(part, rows):
                     assert kernels.launch_options(gpu) == {"GDC": False}
                     assert linear.choose(gpu, 1024, 2048, 1, False) is None
-            assert kernels.kernels_status()["cp_pipeline"]["rows"] == {"cuda:0": int(value) if covered else 0}
+            status = kernels.kernels_status()["cp_pipeline"]
+            assert status["rows"] == {"cuda:0": most}
+            assert ("unset" in status["reason"]["cuda:0"]) == (value == "")
+        monkeypatch.delenv(PIPELINE_ENV)
+        kernels.reset_pdl()
+        with kernels.model_part("code_predictor", 1):  # unset where PDL cannot run: off, and it says why
+            assert kernels.launch_options(torch.device("cpu")) == {"GDC": False}
+            assert "off, not a CUDA device" in kernels.kernels_status()["cp_pipeline"]["reason"]["cpu"]
+        monkeypatch.setenv(PIPELINE_ENV, "8")
         kernels.reset_pdl()
         with kernels.model_part("code_predictor", 1), pytest.raises(kernels.KernelsUnavailable, match=PIPELINE_ENV):
             kernels.launch_options(torch.device("cpu"))  # asked for where PDL cannot run: an error
@@ -447,3 +473,40 @@ def test_code_predictor_pipeline_covers_its_small_frames_only_and_is_refused_whe
     finally:
         monkeypatch.delenv(PIPELINE_ENV, raising=False)
         kernels.reset_pdl()
+
+
+def test_folded_norms_speak_as_the_norm_kernels_and_take_two_launches_a_layer_fewer(monkeypatch):
+    """A Code Predictor frame with its norms inside the projections (VOICELANE_CP_FOLD_NORMS, pipelined frames
+    only) against the same frames with the norm kernels: the same codes (float32), fewer norm launches."""
+    from engine.kernels import linear
+    from engine.kernels.pdl import _PART
+    from engine.model import layers
+    from engine.model.generate import Frame, GenerationRequest, generate
+    from engine.model.prompt import build_prompt, resolve_voice
+    from engine.model.random_model import build_random_model
+    from engine.model.sampling_params import SamplingParams
+
+    model = build_random_model("tiny", seed=7)
+    monkeypatch.setenv(linear.FORCE_ENV, "triton")  # every projection on the skinny kernel, as in a pipelined frame
+    norms, folded = [], []
+    real_norm, real_fold = norm.add_rms_norm, linear.skinny_norm_linear
+    monkeypatch.setattr(norm, "add_rms_norm", lambda *a: norms.append(a[0].shape) or real_norm(*a))
+    monkeypatch.setattr(linear, "skinny_norm_linear", lambda *a: folded.append(1) or real_fold(*a))
+    voice = resolve_voice(model.config, "ryan", "english")
+    text = list(range(1000, 1008))
+    request = GenerationRequest(build_prompt(model.config, voice, text, "whole", None), text, "whole",
+                                SamplingParams(temperature=0.0, sub_temperature=0.0, max_frames=2))
+    runs = {}
+    for fold in (False, True):  # as in production: the Code Predictor's frames only
+        monkeypatch.setattr(layers.kernels, "folded_norms",
+                            lambda device, fold=fold: fold and _PART.get() == "code_predictor")
+        norms.clear()
+        folded.clear()
+        with kernels.backend("triton"):
+            runs[fold] = [e.codes.tolist() for e in generate(model.tts, [request]) if isinstance(e, Frame)]
+        runs[fold, "norms"], runs[fold, "folded"] = len(norms), len(folded)
+    assert len(runs[True]) == 2 and runs[True] == runs[False]
+    assert runs[False, "folded"] == 0 and runs[True, "folded"] > 0
+    assert runs[False, "norms"] - runs[True, "norms"] == runs[True, "folded"]  # each fold is a norm launch fewer
+    forwards = runs[True, "folded"] // (2 * model.tts.talker.code_predictor.model.cfg.num_layers)
+    assert forwards == 2 * 15  # every Code Predictor forward of the 2 frames, and nothing else

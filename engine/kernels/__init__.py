@@ -30,6 +30,7 @@ import torch
 from engine.kernels.pdl import (
     PDL_ENV,
     KernelsUnavailable,
+    folded_norms,
     launch_options,
     model_part,
     pdl,
@@ -39,7 +40,8 @@ from engine.kernels.pdl import (
     reset_pdl,
 )
 
-__all__ = ["KernelsUnavailable", "PDL_ENV", "launch_options", "model_part", "pdl", "pdl_mode", "reset_pdl"]
+__all__ = ["KernelsUnavailable", "PDL_ENV", "folded_norms", "launch_options", "model_part", "pdl", "pdl_mode",
+           "reset_pdl"]
 
 log = logging.getLogger("voicelane.kernels")
 

@@ -75,8 +75,35 @@ DEFAULT_CONFIG = LinearConfig()
 
 
 @triton.jit
-def _x_block(x_ptr, rm, k, m_ok, K, stride_xm, SWIGLU: tl.constexpr):
-    """x[rm, k] for one block of columns k of K (silu(gate) * up for SWIGLU)."""
+def _h_block(x_ptr, res_ptr, rm, k, m_ok, K, stride_xm, stride_rm, NORM: tl.constexpr):
+    """x[rm, k], plus the residual's block for NORM == 2, the sum rounded as engine.kernels.norm.add_rms_norm
+    rounds it."""
+    mask = m_ok[:, None] & (k < K)[None, :]
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
+    if NORM == 2:
+        r = tl.load(res_ptr + rm[:, None] * stride_rm + k[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _row_rstd(x_ptr, res_ptr, rm, m_ok, K, stride_xm, stride_rm, eps, NORM: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
+    """1 / rms of each row of h = x (+ residual) over all K columns [BLOCK_M], in float32: every program reads
+    the whole rows (a few KB from L2 at the pipeline's row counts) instead of a norm kernel writing them."""
+    total = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in tl.static_range(0, NORM_K, BLOCK_K):
+        h = _h_block(x_ptr, res_ptr, rm, k0 + tl.arange(0, BLOCK_K), m_ok, K, stride_xm, stride_rm, NORM)
+        hf = h.to(tl.float32)
+        total += tl.sum(hf * hf, axis=1)
+    return tl.rsqrt(total / K + eps)
+
+
+@triton.jit
+def _x_block(x_ptr, rm, k, m_ok, K, stride_xm, SWIGLU: tl.constexpr, res_ptr, nw_ptr, h_ptr, stride_rm, stride_hm,
+             rstd, store_h, NORM: tl.constexpr):
+    """x[rm, k] for one block of columns k of K (silu(gate) * up for SWIGLU; RMSNorm(x + residual) with rstd
+    for NORM, the sum itself also stored into h by the programs told to)."""
     x_mask = m_ok[:, None] & (k < K)[None, :]
     x_at = x_ptr + rm[:, None] * stride_xm + k[None, :]
     if SWIGLU:  # x is [gate | up]: the rounding of engine.kernels.norm.swiglu, step by step
@@ -84,6 +111,13 @@ def _x_block(x_ptr, rm, k, m_ok, K, stride_xm, SWIGLU: tl.constexpr):
         g = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(up.dtype)
         return (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    elif NORM:  # engine.kernels.norm.add_rms_norm's rounding: h, then h * rstd, then times the weight
+        h = _h_block(x_ptr, res_ptr, rm, k, m_ok, K, stride_xm, stride_rm, NORM)
+        if NORM == 2:
+            tl.store(h_ptr + rm[:, None] * stride_hm + k[None, :], h, mask=x_mask & store_h)
+        normed = (h.to(tl.float32) * rstd[:, None]).to(h.dtype)
+        w = tl.load(nw_ptr + k, mask=k < K, other=0.0)
+        return (w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(h.dtype)
     else:
         return tl.load(x_at, mask=x_mask, other=0.0)
 
@@ -109,17 +143,21 @@ def _product(acc, a, w, DOT: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def _k_block(acc, x_ptr, w_ptr, rm, rn, k, m_ok, n_ok, K, stride_xm, stride_wn, SWIGLU: tl.constexpr,
-             DOT: tl.constexpr, IEEE: tl.constexpr):
+             DOT: tl.constexpr, IEEE: tl.constexpr, res_ptr, nw_ptr, h_ptr, stride_rm, stride_hm, rstd, store_h,
+             NORM: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] += x[rm, k] @ w[rn, k]^T for one block of columns k of K."""
-    a = _x_block(x_ptr, rm, k, m_ok, K, stride_xm, SWIGLU)
+    a = _x_block(x_ptr, rm, k, m_ok, K, stride_xm, SWIGLU, res_ptr, nw_ptr, h_ptr, stride_rm, stride_hm, rstd,
+                 store_h, NORM)
     return _product(acc, a, _w_block(w_ptr, rn, k, n_ok, K, stride_wn), DOT, IEEE)
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_ym, split_k,
-                   k_span, SWIGLU: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+                   k_span, res_ptr, nw_ptr, h_ptr, stride_rm, stride_hm, eps,
+                   SWIGLU: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
                    INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GDC: tl.constexpr, LINE: tl.constexpr, PRELOAD: tl.constexpr):
+                   GDC: tl.constexpr, LINE: tl.constexpr, PRELOAD: tl.constexpr, NORM: tl.constexpr,
+                   NORM_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -127,29 +165,38 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
+    store_h = pid_n == 0  # NORM == 2: the first column block's programs write h, each its slice of K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * k_span  # k_span is a multiple of BLOCK_K: the slices tile K without overlap
     k_hi = k_lo + k_span
     if PRELOAD:  # the slice is one block, read into registers before the wait: under PDL while the kernel before runs
         w = _w_block(w_ptr, rn, k_lo + rk, n_ok, K, stride_wn)
         wait_inputs(GDC)
-        acc = _product(acc, _x_block(x_ptr, rm, k_lo + rk, m_ok, K, stride_xm, SWIGLU), w, DOT, IEEE)
+        rstd = tl.zeros([BLOCK_M], tl.float32)
+        if NORM:
+            rstd = _row_rstd(x_ptr, res_ptr, rm, m_ok, K, stride_xm, stride_rm, eps, NORM, BLOCK_M, BLOCK_K, NORM_K)
+        a = _x_block(x_ptr, rm, k_lo + rk, m_ok, K, stride_xm, SWIGLU, res_ptr, nw_ptr, h_ptr, stride_rm, stride_hm,
+                     rstd, store_h, NORM)
+        acc = _product(acc, a, w, DOT, IEEE)
     else:
         if GDC:  # the weights never depend on the kernel before: pull this program's slice into L2 while it runs
             w_rows = w_ptr + tl.minimum(rn, N - 1)[:, None] * stride_wn
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 prefetch_l2(w_rows + tl.minimum(k0 + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)[None, :])
         wait_inputs(GDC)
+        rstd = tl.zeros([BLOCK_M], tl.float32)
+        if NORM:
+            rstd = _row_rstd(x_ptr, res_ptr, rm, m_ok, K, stride_xm, stride_rm, eps, NORM, BLOCK_M, BLOCK_K, NORM_K)
         if INTERPRET:  # triton 3.6's interpreter cannot take a device scalar as a range() bound (numpy >= 2)
             k0 = k_lo
             while k0 < k_hi:
                 acc = _k_block(acc, x_ptr, w_ptr, rm, rn, k0 + rk, m_ok, n_ok, K, stride_xm, stride_wn, SWIGLU, DOT,
-                               IEEE)
+                               IEEE, res_ptr, nw_ptr, h_ptr, stride_rm, stride_hm, rstd, store_h, NORM)
                 k0 += BLOCK_K
         else:
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 acc = _k_block(acc, x_ptr, w_ptr, rm, rn, k0 + rk, m_ok, n_ok, K, stride_xm, stride_wn, SWIGLU, DOT,
-                               IEEE)
+                               IEEE, res_ptr, nw_ptr, h_ptr, stride_rm, stride_hm, rstd, store_h, NORM)
     out_mask = m_ok[:, None] & n_ok[None, :]
     y_at = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     if not SPLIT:
@@ -189,6 +236,29 @@ def block_m(rows: int, dot: bool) -> int:
 def skinny_linear(x: Tensor, weight: Tensor, config: LinearConfig = DEFAULT_CONFIG, swiglu: bool = False) -> Tensor:
     """x [..., K] (or [..., 2K] = [gate | up] with swiglu) with at most 64 rows in all; weight [N, K] with
     contiguous rows -> [..., N] in x's dtype."""
+    return _launch(x, weight, config, swiglu, None)[1]
+
+
+@dataclass(frozen=True)
+class NormPrologue:
+    """An RMSNorm (of x + residual, or of x alone) that a launch applies to its input before the product:
+    engine.kernels.norm.add_rms_norm's arithmetic, without its kernel."""
+
+    residual: Tensor | None  # [..., K] like x, or None: the norm of x itself
+    weight: Tensor  # [K], the norm's weight
+    eps: float
+
+
+def skinny_norm_linear(x: Tensor, norm: NormPrologue, weight: Tensor,
+                       config: LinearConfig = DEFAULT_CONFIG) -> tuple[Tensor, Tensor]:
+    """add_rms_norm(x, norm.residual, norm.weight, norm.eps) then skinny_linear, in one launch:
+    -> (h = x + residual (x itself without one), rms_norm(h) @ weight^T)."""
+    return _launch(x, weight, config, False, norm)
+
+
+def _launch(x: Tensor, weight: Tensor, config: LinearConfig, swiglu: bool,
+            norm: NormPrologue | None) -> tuple[Tensor, Tensor]:
+    """The kernel's launch: (h, y) with h as skinny_norm_linear returns it (x when there is no norm)."""
     N, K = weight.shape
     width = 2 * K if swiglu else K
     if x.shape[-1] != width:
@@ -201,9 +271,19 @@ def skinny_linear(x: Tensor, weight: Tensor, config: LinearConfig = DEFAULT_CONF
     M = x2.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"skinny_linear: {M} rows, at most {MAX_ROWS}")
+    res2, h = x2, x2
+    if norm is not None:
+        if norm.weight.shape != (K,) or norm.weight.dtype != x.dtype or (
+                norm.residual is not None and (norm.residual.shape != x.shape or norm.residual.dtype != x.dtype)):
+            raise ValueError(f"skinny_norm_linear: the norm's weight must be [{K}] and the residual {tuple(x.shape)}, "
+                             f"both {x.dtype}")
+        if norm.residual is not None:
+            res2 = norm.residual.reshape(-1, K)
+            res2 = res2 if res2.stride(1) == 1 else res2.contiguous()
+            h = torch.empty_like(x2)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
-        return y.view(*x.shape[:-1], N)
+        return (h.view(x.shape) if h is not x2 else x), y.view(*x.shape[:-1], N)
     blocks = triton.cdiv(N, config.block_n)
     splits = max(1, min(config.split_k, triton.cdiv(K, config.block_k)))
     if config.preload:
@@ -212,13 +292,17 @@ def skinny_linear(x: Tensor, weight: Tensor, config: LinearConfig = DEFAULT_CONF
     splits = triton.cdiv(K, k_span)
     part = torch.empty(splits if splits > 1 else 0, M, N, dtype=torch.float32, device=x.device)
     tickets = _tickets(x.device, blocks)  # read only with splits > 1
+    norm_mode = 0 if norm is None else 1 if norm.residual is None else 2
     _skinny_kernel[(blocks, splits)](
         x2, weight, y, part, tickets, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), splits, k_span,
+        res2, norm.weight if norm is not None else weight, h, res2.stride(0), h.stride(0),
+        norm.eps if norm is not None else 0.0,
         SWIGLU=swiglu, DOT=config.dot, IEEE=x.dtype == torch.float32, SPLIT=splits > 1,
         INTERPRET=_INTERPRET, BLOCK_M=block_m(M, config.dot), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         LINE=min(config.block_k, L2_LINE_BYTES // weight.element_size()), PRELOAD=config.preload,
+        NORM=norm_mode, NORM_K=triton.cdiv(K, config.block_k) * config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device))
-    return y.view(*x.shape[:-1], N)
+    return (h.view(x.shape) if h is not x2 else x), y.view(*x.shape[:-1], N)
 
 
 def reference(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
@@ -309,6 +393,21 @@ def linear(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
     if config is not None:
         return skinny_linear(x, weight, config, swiglu)
     return F.linear(swiglu_kernel(x) if swiglu else x, weight)
+
+
+def norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
+                weight: Tensor) -> tuple[Tensor, Tensor]:
+    """add_rms_norm(x, residual, norm_weight, eps) then linear: (h, rms_norm(h) @ weight^T). One launch where the
+    skinny kernel runs the shape (a pipelined Code Predictor frame always does); the two kernels where cuBLAS
+    does (the same arithmetic: the product then needs the normed rows in memory)."""
+    N, K = weight.shape
+    config = choose(x.device, N, K, x.numel() // K, False, x.dtype)
+    if config is not None:
+        return skinny_norm_linear(x, NormPrologue(residual, norm_weight, eps), weight, config)
+    from engine.kernels.norm import add_rms_norm
+
+    h, normed = add_rms_norm(x, residual, norm_weight, eps)
+    return h, F.linear(normed, weight)
 
 
 def kernels_status() -> dict:

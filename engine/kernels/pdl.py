@@ -12,11 +12,13 @@ VOICELANE_PDL_TRIGGER says when, under PDL, a kernel lets the next one launch: `
 own inputs are ready, two kernels overlap at most) or `early` (at its start: the kernels after it launch while it
 still waits, so preloaded weight reads run several kernels ahead; an experiment, engine/kernels/gdc.py).
 
-VOICELANE_CP_PIPELINE=<rows> (off by default) is those experiments put together where they measured faster (H100,
-docs/PERFORMANCE.md): the Code Predictor's frames of at most <rows> rows run pipelined, whatever the switches above
-say: PDL with the early trigger, and every projection on the skinny GEMM (its default config) with one K block of
-PIPELINE_BLOCK_K a program, its weights read before the wait (engine/kernels/linear.py). Larger batches, where it
-measured slower, and the rest of the model are untouched. `model_part(name, rows)` carries the rows.
+VOICELANE_CP_PIPELINE=<rows> is those experiments put together where they measured faster: the Code Predictor's
+frames of at most <rows> rows run pipelined, whatever the switches above say: PDL with the early trigger, and every
+projection on the skinny GEMM (its default config) with one K block of PIPELINE_BLOCK_K a program, its weights read
+before the wait (engine/kernels/linear.py). Unset, it covers frames of up to DEFAULT_PIPELINE_ROWS rows where PDL can
+run (the H200, 9e4473b, docs/PERFORMANCE.md: 2 to 9% off a B1 and B8 frame in two calls; slower at B64) and is off
+elsewhere, saying why; `off` turns it off. Larger batches and the rest of the model are untouched.
+`model_part(name, rows)` carries the rows.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ PDL_PARTS = ("talker", "code_predictor")  # the model's parts that name themselv
 TRIGGER_ENV = "VOICELANE_PDL_TRIGGER"
 TRIGGERS = {"after_wait": 1, "early": 2}  # the kernels' GDC constexpr under PDL (0: off): gdc.wait_inputs
 PIPELINE_ENV = "VOICELANE_CP_PIPELINE"
+FOLD_ENV = "VOICELANE_CP_FOLD_NORMS"
 PIPELINE_BLOCK_K = 512  # the preload K block that measured best (H100: 128, 256, 512 tried)
 _PART: ContextVar[str | None] = ContextVar("voicelane_model_part", default=None)
 _ROWS: ContextVar[int | None] = ContextVar("voicelane_model_rows", default=None)
@@ -88,24 +91,33 @@ def _unable(device: torch.device) -> str | None:
     return None
 
 
+DEFAULT_PIPELINE_ROWS = 8  # unset: frames of up to 8 rows where PDL can run (H200, 9e4473b: faster at B1 and B8)
 _pipeline: dict[str, int] = {}  # device -> the rows VOICELANE_CP_PIPELINE pipelines up to (0: off), checked
+_pipeline_why: dict[str, str] = {}
 
 
 def pipeline_rows(device: torch.device) -> int:
     """VOICELANE_CP_PIPELINE for `device` (decided once): 0 (off), or the most rows a pipelined Code Predictor
-    frame has. Asked for where PDL cannot run: an error, never a silent fallback."""
+    frame has. Unset: DEFAULT_PIPELINE_ROWS where PDL can run, else off (logged, and said by pipeline_status).
+    Asked for where PDL cannot run: an error, never a silent fallback."""
     key = str(device)
     if key not in _pipeline:
-        value = os.environ.get(PIPELINE_ENV, "").strip().lower() or "off"
-        rows = 0 if value == "off" else int(value) if value.isdigit() else -1
-        if not 0 <= rows <= 64:
-            raise ValueError(f"{PIPELINE_ENV}={value!r}: off, or the most rows (1-64) of a pipelined frame")
-        why = _unable(device) if rows else None
-        if why is not None:
-            raise KernelsUnavailable(f"{PIPELINE_ENV}={value}, but {why}")
-        _pipeline[key] = rows
-        log.info("Code Predictor pipeline on %s: %s", key, f"frames of <= {rows} rows (PDL, early trigger, skinny "
-                 f"GEMMs preloading K blocks of {PIPELINE_BLOCK_K})" if rows else f"{PIPELINE_ENV}=off")
+        value = os.environ.get(PIPELINE_ENV, "").strip().lower()
+        if not value:
+            why = _unable(device)
+            rows = 0 if why else DEFAULT_PIPELINE_ROWS
+            reason = f"{PIPELINE_ENV} unset: " + (f"off, {why}" if why else f"the default, {rows} rows")
+        else:
+            rows = 0 if value == "off" else int(value) if value.isdigit() else -1
+            if not 0 <= rows <= 64:
+                raise ValueError(f"{PIPELINE_ENV}={value!r}: off, or the most rows (1-64) of a pipelined frame")
+            why = _unable(device) if rows else None
+            if why is not None:
+                raise KernelsUnavailable(f"{PIPELINE_ENV}={value}, but {why}")
+            reason = f"{PIPELINE_ENV}={value}"
+        _pipeline[key], _pipeline_why[key] = rows, reason
+        log.info("Code Predictor pipeline on %s: %s (%s)", key, f"frames of <= {rows} rows (PDL, early trigger, "
+                 f"skinny GEMMs preloading K blocks of {PIPELINE_BLOCK_K})" if rows else "off", reason)
     return _pipeline[key]
 
 
@@ -113,6 +125,16 @@ def pipelined(device: torch.device) -> bool:
     """Whether the launch about to be made on `device` belongs to a pipelined Code Predictor frame."""
     rows = _ROWS.get()
     return _PART.get() == "code_predictor" and rows is not None and 0 < rows <= pipeline_rows(device)
+
+
+def folded_norms(device: torch.device) -> bool:
+    """Whether a pipelined Code Predictor frame's layers run each RMSNorm (with the residual add before it) inside
+    the projection after it, not as a kernel of its own: VOICELANE_CP_FOLD_NORMS=on (off until the H200 measures
+    it; engine.model.layers.DecoderStack)."""
+    value = os.environ.get(FOLD_ENV, "off").strip().lower() or "off"
+    if value not in ("on", "off"):
+        raise ValueError(f"{FOLD_ENV}={value!r}: choose on or off")
+    return value == "on" and pipelined(device)
 
 
 def pdl(device: torch.device) -> bool:
@@ -172,13 +194,14 @@ def pdl_status() -> dict:
 def pipeline_status() -> dict:
     """The Code Predictor pipeline: the switch as set, and per device decided so far the rows it covers (0: off)."""
     return {"switch": PIPELINE_ENV, "set": os.environ.get(PIPELINE_ENV) or None, "block_k": PIPELINE_BLOCK_K,
-            "rows": dict(_pipeline)}
+            "rows": dict(_pipeline), "reason": dict(_pipeline_why), "fold_norms": os.environ.get(FOLD_ENV) or "off"}
 
 
 def reset_pdl() -> None:
     """Forget the per-device decisions (after VOICELANE_PDL or VOICELANE_CP_PIPELINE changed)."""
     _pdl_devices.clear()
     _pipeline.clear()
+    _pipeline_why.clear()
 
 
 @contextlib.contextmanager

@@ -213,10 +213,15 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, batch: AttentionBatch, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         """x [B, T, hidden]; k_cache, v_cache [slots, kv_heads, max_len, head_dim] of this layer."""
-        B, T, _ = x.shape
-        q, k, v = self.project(x)
-        triton = kernels.use_triton(x.device)
-        if triton or kernels.compiled_attention(x.device):
+        return self.attend(*self.project(x), batch, k_cache, v_cache)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch, k_cache: Tensor,
+               v_cache: Tensor) -> Tensor:
+        """From the projections (q [B, T, H * D], k and v [B, T, Hkv * D]) on: q/k-norm, RoPE, the cache write,
+        attention and the o projection -> [B, T, hidden]."""
+        B, T, _ = q.shape
+        triton = kernels.use_triton(q.device)
+        if triton or kernels.compiled_attention(q.device):
             args = (q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, batch.cos, batch.sin_signed,
                     k_cache, v_cache, batch.slots, batch.positions, batch.valid_len, self.num_heads)
             if triton:
@@ -287,6 +292,8 @@ class DecoderStack(nn.Module):
     def run(self, x: Tensor, batch: AttentionBatch, cache: KVCache) -> Tensor:
         """x [B, T, hidden] -> final-norm hidden states [B, T, hidden]."""
         if kernels.use_triton(x.device):
+            if kernels.folded_norms(x.device) and self._fused():
+                return self._run_folded_norms(x, batch, cache)
             return self._run_fused_norms(x, batch, cache)
         for i, layer in enumerate(self.layers):
             x = layer(x, batch, cache.k[i], cache.v[i])
@@ -305,3 +312,24 @@ class DecoderStack(nn.Module):
             after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             residual, h = add_rms_norm(layer.mlp(h), residual, after.weight, eps)
         return h
+
+    def _fused(self) -> bool:
+        return all(layer.self_attn.qkv is not None and layer.mlp.gate_up is not None for layer in self.layers)
+
+    def _run_folded_norms(self, x: Tensor, batch: AttentionBatch, cache: KVCache) -> Tensor:
+        """_run_fused_norms with each layer's two RMSNorms (and the residual adds before them) inside the q/k/v
+        and gate/up projections' launches (engine.kernels.linear.norm_linear): 2 kernels a layer fewer, the same
+        arithmetic. The final norm stays a kernel of its own (the head after it is the caller's)."""
+        from engine.kernels.linear import norm_linear
+        from engine.kernels.norm import add_rms_norm
+
+        eps = self.norm.eps
+        residual, delta = None, x  # the first layer's norm is of x itself
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            residual, qkv = norm_linear(delta, residual, layer.input_layernorm.weight, eps, attn.qkv.current())
+            delta = attn.attend(*qkv.split(attn.qkv.sizes, dim=-1), batch, cache.k[i], cache.v[i])
+            residual, gate_up = norm_linear(delta, residual, layer.post_attention_layernorm.weight, eps,
+                                            mlp.gate_up.current())
+            delta = dense(gate_up, mlp.down_proj.weight, swiglu=True)
+        return add_rms_norm(delta, residual, self.norm.weight, eps)[1]

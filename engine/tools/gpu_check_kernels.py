@@ -75,12 +75,15 @@ def _as64(args):
 class KernelChecks:
     """Runs one case: kernel vs reference (both in the case's dtype) vs the reference in float64."""
 
-    def __init__(self, time_it: bool):
+    def __init__(self, time_it: bool, only: tuple[str, ...] = ()):
         self.rows: list[dict] = []
         self.time_it = time_it
+        self.only = only  # kernel names to check (empty: all)
 
     def case(self, kernel: str, shape: str, dtype, fn, ref, make_args, outputs=lambda out: out) -> None:
         """make_args() -> fresh argument list (the kernels write caches in place, so each run gets its own)."""
+        if self.only and kernel not in self.only:
+            return
         got = outputs(fn(*make_args()))
         same_dtype = outputs(ref(*make_args()))
         exact = outputs(ref(*_as64(make_args())))
@@ -103,15 +106,37 @@ def _rand(*shape, dtype, scale=1.0):
     return (torch.randn(*shape, device=DEVICE) * scale).to(dtype)
 
 
-def kernel_checks(config, sizes: Sizes, time_it: bool) -> list[dict]:
+def _norm_linear_reference(x, residual, norm_weight, eps, weight):
+    from engine.kernels.norm import add_rms_norm_reference
+
+    h, normed = add_rms_norm_reference(x, residual, norm_weight, eps)
+    return h, torch.nn.functional.linear(normed, weight)
+
+
+def kernel_checks(config, sizes: Sizes, time_it: bool, only: tuple[str, ...] = ()) -> list[dict]:
     from engine.kernels import attention as ka
-    from engine.kernels import norm
+    from engine.kernels import linear, norm
+    from engine.kernels.pdl import PIPELINE_BLOCK_K
     from engine.model.layers import rope_cos_sin, signed_sin
 
     TALKER, CODE_PREDICTOR = _geometry(config.talker.stack), _geometry(config.talker.code_predictor)
     big = sizes.batches[-1]
-    checks = KernelChecks(time_it)
+    checks = KernelChecks(time_it, only)
+    pipelined = linear.LinearConfig(block_k=PIPELINE_BLOCK_K, preload=True)  # a pipelined Code Predictor frame's
+
+    def norm_linear(x, residual, norm_weight, eps, weight):
+        return linear.skinny_norm_linear(x, linear.NormPrologue(residual, norm_weight, eps), weight, pipelined)
+
     for dtype in sizes.dtypes:
+        cp = CODE_PREDICTOR
+        for rows in (1, 2, 8):  # the folded norms of VOICELANE_CP_FOLD_NORMS: q/k/v and gate/up, with and without
+            for name, N in (("qkv", (cp["H"] + 2 * cp["Hkv"]) * cp["D"]), ("gate_up", 2 * cp["inter"])):
+                for first in (True, False):  # the first layer's norm is of x alone
+                    x, r = _rand(rows, cp["hidden"], dtype=dtype), _rand(rows, cp["hidden"], dtype=dtype)
+                    nw, w = (1 + 0.3 * _rand(cp["hidden"], dtype=dtype)), _rand(N, cp["hidden"], dtype=dtype)
+                    checks.case("norm_linear", f"code predictor {name} {rows} rows{' first' if first else ''}",
+                                dtype, norm_linear, _norm_linear_reference,
+                                lambda x=x, r=r, nw=nw, w=w, first=first: [x, None if first else r, nw, 1e-6, w])
         for rows, hidden in ((1, TALKER["hidden"]), (big, TALKER["hidden"]), (sizes.many_rows, TALKER["hidden"]),
                              (15 * big, CODE_PREDICTOR["hidden"])):
             x, r, w = _rand(rows, hidden, dtype=dtype), _rand(rows, hidden, dtype=dtype), _rand(hidden, dtype=dtype)
@@ -441,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-model", action="store_true", help="kernels only")
     ap.add_argument("--cp-forward-only", action="store_true",
                     help="of the kernel checks, only cp_forward's (a cold GPU compiles far fewer kernels)")
+    ap.add_argument("--kernels", nargs="+", default=(), metavar="NAME",
+                    help="of the kernel checks, only these kernels' (e.g. norm_linear)")
     ap.add_argument("--graphs-only", action="store_true", help="only greedy codes with graphs against eager, in the "
                     "model's dtype, at each --batches size: the runner's check after a change to its graphs, in "
                     "one model load")
@@ -491,8 +518,9 @@ def check(a: argparse.Namespace, sizes: Sizes) -> int:
             if a.repeat_check:
                 record["model_checks"] += repeatability(loaded, b, a.frames, eager, graphed)
     else:
-        record["kernels_checked"] = ([] if a.cp_forward_only else kernel_checks(loaded.config, sizes, time_it)) \
-            + cp_forward_checks(loaded, sizes, time_it)
+        record["kernels_checked"] = \
+            ([] if a.cp_forward_only else kernel_checks(loaded.config, sizes, time_it, tuple(a.kernels))) \
+            + ([] if a.kernels and "cp_forward" not in a.kernels else cp_forward_checks(loaded, sizes, time_it))
         record["kernel_seconds"] = round(time.monotonic() - t0, 1)
         record["model_checks"] = [] if a.no_model else whole_model(loaded, a.model, a.frames, a.batches)
     record["seconds"] = round(time.monotonic() - t0, 1)
