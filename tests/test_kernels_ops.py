@@ -423,7 +423,7 @@ def test_the_model_names_its_parts_around_their_launches(monkeypatch):
 
 def test_code_predictor_pipeline_covers_its_small_frames_only_and_is_refused_where_it_cannot_run(monkeypatch):
     from engine.kernels import linear
-    from engine.kernels.pdl import FOLD_ENV, PIPELINE_BLOCK_K, PIPELINE_ENV
+    from engine.kernels.pdl import FOLD_ENV, PIPELINE_BLOCK_K, PIPELINE_ENV, TALKER_PIPELINE_ENV
 
     gpu = torch.device("cuda", 0)  # decided without touching a GPU: an sm_90 outside triton's interpreter
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -453,14 +453,21 @@ def test_code_predictor_pipeline_covers_its_small_frames_only_and_is_refused_whe
                 with kernels.model_part(part, rows):
                     assert kernels.launch_options(gpu) == {"GDC": False}
                     assert linear.choose(gpu, 1024, 2048, 1, False) is None
-            status = kernels.kernels_status()["cp_pipeline"]
-            assert status["rows"] == {"cuda:0": most}
-            assert ("unset" in status["reason"]["cuda:0"]) == (value == "")
+            status = kernels.kernels_status()["pipeline"]
+            assert status["code_predictor"]["rows"] == {"cuda:0": most}
+            assert ("unset" in status["code_predictor"]["reason"]["cuda:0"]) == (value == "")
+            assert status["talker"]["rows"] == {"cuda:0": 0} and "unset: off" in status["talker"]["reason"]["cuda:0"]
+        monkeypatch.setenv(TALKER_PIPELINE_ENV, "4")  # the Talker's own switch, its steps of up to 4 rows
+        kernels.reset_pdl()
+        for rows in (1, 4, 5):
+            with kernels.model_part("talker", rows):
+                assert kernels.launch_options(gpu) == (early if rows <= 4 else {"GDC": False})
+        monkeypatch.delenv(TALKER_PIPELINE_ENV)
         monkeypatch.delenv(PIPELINE_ENV)
         kernels.reset_pdl()
         with kernels.model_part("code_predictor", 1):  # unset where PDL cannot run: off, and it says why
             assert kernels.launch_options(torch.device("cpu")) == {"GDC": False}
-            assert "off, not a CUDA device" in kernels.kernels_status()["cp_pipeline"]["reason"]["cpu"]
+            assert "off, not a CUDA device" in kernels.kernels_status()["pipeline"]["code_predictor"]["reason"]["cpu"]
         monkeypatch.setenv(PIPELINE_ENV, "8")
         kernels.reset_pdl()
         with kernels.model_part("code_predictor", 1), pytest.raises(kernels.KernelsUnavailable, match=PIPELINE_ENV):
@@ -472,11 +479,12 @@ def test_code_predictor_pipeline_covers_its_small_frames_only_and_is_refused_whe
                 kernels.launch_options(gpu)
     finally:
         monkeypatch.delenv(PIPELINE_ENV, raising=False)
+        monkeypatch.delenv(TALKER_PIPELINE_ENV, raising=False)
         kernels.reset_pdl()
 
 
 def test_folded_norms_speak_as_the_norm_kernels_and_take_two_launches_a_layer_fewer(monkeypatch):
-    """A Code Predictor frame with its norms inside the projections (VOICELANE_CP_FOLD_NORMS, pipelined frames
+    """A Code Predictor frame with its norms inside the projections (VOICELANE_PIPELINE_FOLD_NORMS, pipelined
     only) against the same frames with the norm kernels: the same codes (float32), fewer norm launches."""
     from engine.kernels import linear
     from engine.kernels.pdl import _PART

@@ -164,7 +164,7 @@ def kernels_status() -> dict:
                                 "tiles": asdict(Tiles.from_env()), "tiles_switch": TILES_ENV, "max_rows": MAX_ROWS,
                                 "layer_by_layer_rows": refused_rows()}
     status["pdl"] = pdl_status()
-    status["cp_pipeline"] = pipeline_status()
+    status["pipeline"] = pipeline_status()
     from engine.kernels.compiled import compile_status
 
     status["compile"] = compile_status()

@@ -20,7 +20,7 @@ breaks the chain of overlapping launches, which the tuner's one-shape-at-a-time 
 64 (prefill) always go to cuBLAS. VOICELANE_LINEAR_PRELOAD=256 (a K block) gives every skinny launch one K block a
 program, its weights read into registers before the program waits for the kernel before: under PDL the weight
 read of one GEMM overlaps the kernels before it, where the L2 prefetch only moves it closer (an experiment, off).
-Inside a pipelined Code Predictor frame (VOICELANE_CP_PIPELINE, engine/kernels/pdl.py) every launch is the kernel,
+Inside a pipelined step (VOICELANE_CP_PIPELINE, engine/kernels/pdl.py) every launch is the kernel,
 preloading, whatever the switches and the table's choice of cuBLAS say.
 """
 
@@ -362,7 +362,7 @@ def choose(device: torch.device, N: int, K: int, rows: int, swiglu: bool,
         return None
     per_gpu = table().get(_device_name(device), {}) if dtype == TUNED_DTYPE else {}
     entry = per_gpu.get(entry_key(N, K, swiglu, rows))
-    if pipelined(device):  # a pipelined Code Predictor frame (engine.kernels.pdl): every projection preloads, in
+    if pipelined(device):  # a pipelined step (engine.kernels.pdl): every projection preloads, in
         # the shape measured (a tuned entry's wider blocks would hold twice the registers a program while it waits)
         return replace(DEFAULT_CONFIG, block_k=PIPELINE_BLOCK_K, preload=True)
     if force == "cublas":

@@ -15,9 +15,10 @@ still waits, so preloaded weight reads run several kernels ahead; an experiment,
 VOICELANE_CP_PIPELINE=<rows> is those experiments put together where they measured faster: the Code Predictor's
 frames of at most <rows> rows run pipelined, whatever the switches above say: PDL with the early trigger, and every
 projection on the skinny GEMM (its default config) with one K block of PIPELINE_BLOCK_K a program, its weights read
-before the wait (engine/kernels/linear.py). Unset, it covers frames of up to DEFAULT_PIPELINE_ROWS rows where PDL can
-run (the H200, 9e4473b, docs/PERFORMANCE.md: 2 to 9% off a B1 and B8 frame in two calls; slower at B64) and is off
-elsewhere, saying why; `off` turns it off. Larger batches and the rest of the model are untouched.
+before the wait (engine/kernels/linear.py). Unset, it covers frames of up to 8 rows where PDL can run (the H200,
+9e4473b, docs/PERFORMANCE.md: 2 to 9% off a B1 and B8 frame in two calls; slower at B64) and is off elsewhere,
+saying why; `off` turns it off. VOICELANE_TALKER_PIPELINE=<rows> does the same for the Talker's steps (off until
+measured). VOICELANE_PIPELINE_FOLD_NORMS=on moves a pipelined step's RMSNorms into its projections (folded_norms).
 `model_part(name, rows)` carries the rows.
 """
 
@@ -39,7 +40,8 @@ PDL_PARTS = ("talker", "code_predictor")  # the model's parts that name themselv
 TRIGGER_ENV = "VOICELANE_PDL_TRIGGER"
 TRIGGERS = {"after_wait": 1, "early": 2}  # the kernels' GDC constexpr under PDL (0: off): gdc.wait_inputs
 PIPELINE_ENV = "VOICELANE_CP_PIPELINE"
-FOLD_ENV = "VOICELANE_CP_FOLD_NORMS"
+TALKER_PIPELINE_ENV = "VOICELANE_TALKER_PIPELINE"
+FOLD_ENV = "VOICELANE_PIPELINE_FOLD_NORMS"
 PIPELINE_BLOCK_K = 512  # the preload K block that measured best (H100: 128, 256, 512 tried)
 _PART: ContextVar[str | None] = ContextVar("voicelane_model_part", default=None)
 _ROWS: ContextVar[int | None] = ContextVar("voicelane_model_rows", default=None)
@@ -91,46 +93,50 @@ def _unable(device: torch.device) -> str | None:
     return None
 
 
-DEFAULT_PIPELINE_ROWS = 8  # unset: frames of up to 8 rows where PDL can run (H200, 9e4473b: faster at B1 and B8)
-_pipeline: dict[str, int] = {}  # device -> the rows VOICELANE_CP_PIPELINE pipelines up to (0: off), checked
-_pipeline_why: dict[str, str] = {}
+# part -> (its switch, the rows it covers when unset where PDL can run)
+PIPELINES = {"code_predictor": (PIPELINE_ENV, 8),  # H200, 9e4473b: faster at B1 and B8, slower at B64 (H100)
+             "talker": (TALKER_PIPELINE_ENV, 0)}  # not measured yet: off
+_pipeline: dict[tuple[str, str], int] = {}  # (device, part) -> the rows its switch pipelines up to (0: off)
+_pipeline_why: dict[tuple[str, str], str] = {}
 
 
-def pipeline_rows(device: torch.device) -> int:
-    """VOICELANE_CP_PIPELINE for `device` (decided once): 0 (off), or the most rows a pipelined Code Predictor
-    frame has. Unset: DEFAULT_PIPELINE_ROWS where PDL can run, else off (logged, and said by pipeline_status).
+def pipeline_rows(device: torch.device, part: str = "code_predictor") -> int:
+    """The pipeline switch of `part` for `device` (decided once): 0 (off), or the most rows a pipelined step of
+    that part has. Unset: PIPELINES' default where PDL can run, else off (logged, and said by pipeline_status).
     Asked for where PDL cannot run: an error, never a silent fallback."""
-    key = str(device)
+    key = (str(device), part)
     if key not in _pipeline:
-        value = os.environ.get(PIPELINE_ENV, "").strip().lower()
+        env, default = PIPELINES[part]
+        value = os.environ.get(env, "").strip().lower()
         if not value:
-            why = _unable(device)
-            rows = 0 if why else DEFAULT_PIPELINE_ROWS
-            reason = f"{PIPELINE_ENV} unset: " + (f"off, {why}" if why else f"the default, {rows} rows")
+            why = _unable(device) if default else None
+            rows = 0 if why else default
+            reason = f"{env} unset: " + (f"off, {why}" if why else f"the default, {rows} rows" if rows else "off")
         else:
             rows = 0 if value == "off" else int(value) if value.isdigit() else -1
             if not 0 <= rows <= 64:
-                raise ValueError(f"{PIPELINE_ENV}={value!r}: off, or the most rows (1-64) of a pipelined frame")
+                raise ValueError(f"{env}={value!r}: off, or the most rows (1-64) of a pipelined step")
             why = _unable(device) if rows else None
             if why is not None:
-                raise KernelsUnavailable(f"{PIPELINE_ENV}={value}, but {why}")
-            reason = f"{PIPELINE_ENV}={value}"
+                raise KernelsUnavailable(f"{env}={value}, but {why}")
+            reason = f"{env}={value}"
         _pipeline[key], _pipeline_why[key] = rows, reason
-        log.info("Code Predictor pipeline on %s: %s (%s)", key, f"frames of <= {rows} rows (PDL, early trigger, "
-                 f"skinny GEMMs preloading K blocks of {PIPELINE_BLOCK_K})" if rows else "off", reason)
+        log.info("%s pipeline on %s: %s (%s)", part, key[0], f"steps of <= {rows} rows (PDL, early trigger, skinny "
+                 f"GEMMs preloading K blocks of {PIPELINE_BLOCK_K})" if rows else "off", reason)
     return _pipeline[key]
 
 
 def pipelined(device: torch.device) -> bool:
-    """Whether the launch about to be made on `device` belongs to a pipelined Code Predictor frame."""
-    rows = _ROWS.get()
-    return _PART.get() == "code_predictor" and rows is not None and 0 < rows <= pipeline_rows(device)
+    """Whether the launch about to be made on `device` belongs to a pipelined step (of a part whose switch covers
+    the step's rows)."""
+    part, rows = _PART.get(), _ROWS.get()
+    return part in PIPELINES and rows is not None and 0 < rows <= pipeline_rows(device, part)
 
 
 def folded_norms(device: torch.device) -> bool:
-    """Whether a pipelined Code Predictor frame's layers run each RMSNorm (with the residual add before it) inside
-    the projection after it, not as a kernel of its own: VOICELANE_CP_FOLD_NORMS=on (off until the H200 measures
-    it; engine.model.layers.DecoderStack)."""
+    """Whether a pipelined step's decoder layers run each RMSNorm (with the residual add before it) inside the
+    projection after it, not as a kernel of its own: VOICELANE_PIPELINE_FOLD_NORMS=on (off until the H200
+    measures it; engine.model.layers.DecoderStack)."""
     value = os.environ.get(FOLD_ENV, "off").strip().lower() or "off"
     if value not in ("on", "off"):
         raise ValueError(f"{FOLD_ENV}={value!r}: choose on or off")
@@ -192,9 +198,12 @@ def pdl_status() -> dict:
 
 
 def pipeline_status() -> dict:
-    """The Code Predictor pipeline: the switch as set, and per device decided so far the rows it covers (0: off)."""
-    return {"switch": PIPELINE_ENV, "set": os.environ.get(PIPELINE_ENV) or None, "block_k": PIPELINE_BLOCK_K,
-            "rows": dict(_pipeline), "reason": dict(_pipeline_why), "fold_norms": os.environ.get(FOLD_ENV) or "off"}
+    """The pipelines per part: the switch as set, and per device decided so far the rows it covers (0: off) and
+    why; whether pipelined steps fold their norms."""
+    return {part: {"switch": env, "set": os.environ.get(env) or None, "block_k": PIPELINE_BLOCK_K,
+                   "rows": {dev: rows for (dev, p), rows in _pipeline.items() if p == part},
+                   "reason": {dev: why for (dev, p), why in _pipeline_why.items() if p == part}}
+            for part, (env, _) in PIPELINES.items()} | {"fold_norms": os.environ.get(FOLD_ENV) or "off"}
 
 
 def reset_pdl() -> None:

@@ -86,7 +86,7 @@ class Talker(nn.Module):
         last [B] int64: which of the T positions gives each row's output; valid_len [B]: columns a row wrote.
         Returns the final-norm hidden state [B, hidden] and code-0 logits [B, vocab] float32 at `last`.
         """
-        with kernels.model_part("talker"):  # its launches (PDL per part: engine.kernels.pdl)
+        with kernels.model_part("talker", x.shape[0] * x.shape[1]):  # its launches (PDL per part and rows: pdl.py)
             if x.shape[1] == 1 and valid_len is None and (step := self._compiled_step(x.device)) is not None:
                 cos, sin = rope_cos_sin(positions, self.cfg.stack.head_dim, self.cfg.stack.rope_theta, x.dtype)
                 return step(self.model, x, slots, positions, cos, signed_sin(sin), cache.k, cache.v,

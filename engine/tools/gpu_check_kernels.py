@@ -129,7 +129,7 @@ def kernel_checks(config, sizes: Sizes, time_it: bool, only: tuple[str, ...] = (
 
     for dtype in sizes.dtypes:
         cp = CODE_PREDICTOR
-        for rows in (1, 2, 8):  # the folded norms of VOICELANE_CP_FOLD_NORMS: q/k/v and gate/up, with and without
+        for rows in (1, 2, 8):  # the folded norms of VOICELANE_PIPELINE_FOLD_NORMS: q/k/v and gate/up, with and without
             for name, N in (("qkv", (cp["H"] + 2 * cp["Hkv"]) * cp["D"]), ("gate_up", 2 * cp["inter"])):
                 for first in (True, False):  # the first layer's norm is of x alone
                     x, r = _rand(rows, cp["hidden"], dtype=dtype), _rand(rows, cp["hidden"], dtype=dtype)
