@@ -344,6 +344,17 @@ def _ring_definition(q, history, positions, window, scale):
     return out
 
 
+def test_ring_attention_reads_its_keys_in_one_round_for_small_grids_only():
+    from engine.kernels.codec_transformer import ONE_ROUND_PROGRAMS, default_block_n
+
+    assert default_block_n(16, 72) == 128  # B1 x 16 heads: the real codec's 71 ring columns and a new frame
+    assert default_block_n(16, 71 + 57) == 128
+    assert default_block_n(16, 9) == 16  # a tiny window: never under the 16 keys a dot needs
+    assert default_block_n(ONE_ROUND_PROGRAMS, 72) == 128
+    assert default_block_n(ONE_ROUND_PROGRAMS + 1, 72) == 32  # B64 x 16 heads: rounds of 32
+    assert default_block_n(64 * 16, 72) == 32
+
+
 @pytest.mark.parametrize("positions,t,window", [((0, 3, 1003), 1, 6), ((7, 0, 2), 4, 6), ((41, 5, 1), 9, 6),
                                                 ((10, 26, 0), 40, 6), ((0, 17, 300), 3, 40)],
                          ids=["t1-wrapped", "t4", "t9-longer-than-window", "t40-several-blocks", "ring-of-2-blocks"])

@@ -236,6 +236,13 @@ def ring_attention_torch(q: Tensor, new_kv: Tensor, ring: Tensor, slots: Tensor,
 ONE_ROUND_PROGRAMS = 256
 
 
+def default_block_n(programs: int, keys: int) -> int:
+    """Keys a loop round of ring attention for a grid of `programs` over `keys` keys (ring columns and new frames):
+    all of them in one round (up to 128) where the grid is small enough for the registers that takes
+    (ONE_ROUND_PROGRAMS; measured on the H100, PERFORMANCE.md's eighteenth session), else rounds of 32."""
+    return min(128, max(16, 1 << (keys - 1).bit_length())) if programs <= ONE_ROUND_PROGRAMS else 32
+
+
 def ring_attention(q: Tensor, new_kv: Tensor, ring: Tensor, slots: Tensor, pos: Tensor, window: int,
                    scale: float, mask: Tensor | None = None, block_n: int | None = None) -> Tensor:
     """See ring_attention_torch; one kernel on the Triton path (which ignores `mask`: it masks from pos itself),
@@ -254,7 +261,7 @@ def ring_attention(q: Tensor, new_kv: Tensor, ring: Tensor, slots: Tensor, pos: 
     block_t = 16  # tl.dot needs 16 rows; a step's t is 1..12 in the engine
     grid = (B, H, -(-t // block_t))
     if block_n is None:  # the real codec's 71 ring columns and up to 57 new frames in one round, for a small grid
-        block_n = min(128, max(16, 1 << (R + t - 1).bit_length())) if B * H * grid[2] <= ONE_ROUND_PROGRAMS else 32
+        block_n = default_block_n(B * H * grid[2], R + t)
     _kernels()[2][grid](
         q, new_kv, ring, slots, pos, out, t, R, window, H // Hkv, scale, *q.stride()[:3], *new_kv.stride()[:4],
         *ring.stride()[:4], *out.stride()[:3], HD=hd, BLOCK_D=max(16, 1 << max(hd - 1, 0).bit_length()),

@@ -5,8 +5,8 @@ every such kernel calls `wait_inputs` before it writes anything or reads anythin
 each waits for the one before (which waited for its own): the order of writes is the stream's order. Reads of
 constants (weights) may come before the wait: `prefetch_l2` pulls them into L2 meanwhile, or a preloading kernel
 reads them into registers. GDC (engine/kernels/pdl.py's launch_options) says when the next kernel may launch:
-- AFTER_WAIT (1): once this kernel's inputs are ready, so at most two kernels overlap;
-- EARLY (2): at once, so the kernels after it launch while it still waits (each only once every program of the
+- "after_wait" (GDC 1, pdl.TRIGGERS): once this kernel's inputs are ready, so at most two kernels overlap;
+- "early" (GDC 2): at once, so the kernels after it launch while it still waits (each only once every program of the
   one before has started): their weight reads can run several kernels ahead of the data they multiply.
 With GDC 0 (False) both calls are no-ops, so the same kernels run in triton's interpreter and on GPUs without PDL.
 """
