@@ -17,8 +17,9 @@ frames of at most <rows> rows run pipelined, whatever the switches above say: PD
 projection on the skinny GEMM (its default config) with one K block of PIPELINE_BLOCK_K a program, its weights read
 before the wait (engine/kernels/linear.py). Unset, it covers frames of up to 8 rows where PDL can run (the H200,
 9e4473b, docs/PERFORMANCE.md: 2 to 9% off a B1 and B8 frame in two calls; slower at B64) and is off elsewhere,
-saying why; `off` turns it off. VOICELANE_TALKER_PIPELINE=<rows> does the same for the Talker's steps (off until
-measured). VOICELANE_PIPELINE_FOLD_NORMS=on moves a pipelined step's RMSNorms into its projections (folded_norms).
+saying why; `off` turns it off. VOICELANE_TALKER_PIPELINE=<rows> does the same for the Talker's steps (off:
+measured slower). VOICELANE_PIPELINE_FOLD_NORMS=on moves a pipelined step's RMSNorms into its projections
+(folded_norms; off: no faster at B1, slower at B8).
 `model_part(name, rows)` carries the rows.
 """
 
@@ -95,7 +96,7 @@ def _unable(device: torch.device) -> str | None:
 
 # part -> (its switch, the rows it covers when unset where PDL can run)
 PIPELINES = {"code_predictor": (PIPELINE_ENV, 8),  # H200, 9e4473b: faster at B1 and B8, slower at B64 (H100)
-             "talker": (TALKER_PIPELINE_ENV, 0)}  # not measured yet: off
+             "talker": (TALKER_PIPELINE_ENV, 0)}  # off: slower at B1 and B8 (H100, 5ac8b58)
 _pipeline: dict[tuple[str, str], int] = {}  # (device, part) -> the rows its switch pipelines up to (0: off)
 _pipeline_why: dict[tuple[str, str], str] = {}
 
@@ -135,8 +136,8 @@ def pipelined(device: torch.device) -> bool:
 
 def folded_norms(device: torch.device) -> bool:
     """Whether a pipelined step's decoder layers run each RMSNorm (with the residual add before it) inside the
-    projection after it, not as a kernel of its own: VOICELANE_PIPELINE_FOLD_NORMS=on (off until the H200
-    measures it; engine.model.layers.DecoderStack)."""
+    projection after it, not as a kernel of its own: VOICELANE_PIPELINE_FOLD_NORMS=on (off by default:
+    on an H100 no faster at B1 and slower at B8; engine.model.layers.DecoderStack)."""
     value = os.environ.get(FOLD_ENV, "off").strip().lower() or "off"
     if value not in ("on", "off"):
         raise ValueError(f"{FOLD_ENV}={value!r}: choose on or off")
