@@ -89,11 +89,19 @@ def compile_linear(dtype: str) -> None:
         for preload in (False, True):
             ptx = _compile(linear._skinny_kernel, dtype,
                            {"SWIGLU": swiglu, "DOT": dot, "IEEE": dtype == "fp32", "SPLIT": split, "INTERPRET": False,
-                            "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 256, "LINE": 64, "PRELOAD": preload},
-                           pointers)
+                            "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 256, "LINE": 64, "PRELOAD": preload,
+                            "NORM": 0, "NORM_K": 256}, pointers)
             before_wait = ptx.split("griddepcontrol.wait")[0]
             # under PDL the weights are pulled into L2 before the wait for the kernel before, or (preload) read
             assert ("ld.global" if preload else "prefetch.global.L2") in before_wait
+    for norm in (1, 2):  # the folded norms in the pipeline's shape (the Code Predictor's K of 1024, two K blocks)
+        ptx = _compile(linear._skinny_kernel, dtype,
+                       {"SWIGLU": False, "DOT": True, "IEEE": dtype == "fp32", "SPLIT": True, "INTERPRET": False,
+                        "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 512, "LINE": 64, "PRELOAD": True, "NORM": norm,
+                        "NORM_K": 1024}, pointers)
+        before_wait, after_wait = ptx.split("griddepcontrol.wait")
+        assert "ld.global" in before_wait and "st.global" not in before_wait  # the weights only, nothing written
+        assert "rsqrt" in after_wait and "st.global" in after_wait  # the norm, and (NORM 2) h, after it
 
 
 def compile_sampler(dtype: str) -> None:
