@@ -16,7 +16,7 @@ VOICELANE_CP_PIPELINE=<rows> is those experiments put together where they measur
 frames of at most <rows> rows run pipelined, whatever the switches above say: PDL with the early trigger, and every
 projection on the skinny GEMM (its default config) with one K block of PIPELINE_BLOCK_K a program, its weights read
 before the wait (engine/kernels/linear.py). Unset, it covers frames of up to 8 rows where PDL can run (the H200,
-9e4473b, docs/PERFORMANCE.md: 2 to 9% off a B1 and B8 frame in two calls; slower at B64) and is off elsewhere,
+9e4473b, docs/PERFORMANCE.md: 2 to 11% off a B1 and B8 frame in two calls; slower at B64) and is off elsewhere,
 saying why; `off` turns it off. VOICELANE_TALKER_PIPELINE=<rows> does the same for the Talker's steps (off:
 measured slower). VOICELANE_PIPELINE_FOLD_NORMS=on moves a pipelined step's RMSNorms into its projections
 (folded_norms; off: no faster at B1, slower at B8).
