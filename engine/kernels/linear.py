@@ -398,7 +398,7 @@ def linear(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
 def norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
                 weight: Tensor) -> tuple[Tensor, Tensor]:
     """add_rms_norm(x, residual, norm_weight, eps) then linear: (h, rms_norm(h) @ weight^T). One launch where the
-    skinny kernel runs the shape (a pipelined Code Predictor frame always does); the two kernels where cuBLAS
+    skinny kernel runs the shape (a pipelined step always does); the two kernels where cuBLAS
     does (the same arithmetic: the product then needs the normed rows in memory)."""
     N, K = weight.shape
     config = choose(x.device, N, K, x.numel() // K, False, x.dtype)

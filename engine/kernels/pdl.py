@@ -97,8 +97,7 @@ def _unable(device: torch.device) -> str | None:
 # part -> (its switch, the rows it covers when unset where PDL can run)
 PIPELINES = {"code_predictor": (PIPELINE_ENV, 8),  # H200, 9e4473b: faster at B1 and B8, slower at B64 (H100)
              "talker": (TALKER_PIPELINE_ENV, 0)}  # off: slower at B1 and B8 (H100, 5ac8b58)
-_pipeline: dict[tuple[str, str], int] = {}  # (device, part) -> the rows its switch pipelines up to (0: off)
-_pipeline_why: dict[tuple[str, str], str] = {}
+_pipeline: dict[tuple[str, str], tuple[int, str]] = {}  # (device, part) -> (the rows it pipelines up to, 0: off; why)
 
 
 def pipeline_rows(device: torch.device, part: str = "code_predictor") -> int:
@@ -121,10 +120,10 @@ def pipeline_rows(device: torch.device, part: str = "code_predictor") -> int:
             if why is not None:
                 raise KernelsUnavailable(f"{env}={value}, but {why}")
             reason = f"{env}={value}"
-        _pipeline[key], _pipeline_why[key] = rows, reason
+        _pipeline[key] = rows, reason
         log.info("%s pipeline on %s: %s (%s)", part, key[0], f"steps of <= {rows} rows (PDL, early trigger, skinny "
                  f"GEMMs preloading K blocks of {PIPELINE_BLOCK_K})" if rows else "off", reason)
-    return _pipeline[key]
+    return _pipeline[key][0]
 
 
 def pipelined(device: torch.device) -> bool:
@@ -202,8 +201,8 @@ def pipeline_status() -> dict:
     """The pipelines per part: the switch as set, and per device decided so far the rows it covers (0: off) and
     why; whether pipelined steps fold their norms."""
     return {part: {"switch": env, "set": os.environ.get(env) or None, "block_k": PIPELINE_BLOCK_K,
-                   "rows": {dev: rows for (dev, p), rows in _pipeline.items() if p == part},
-                   "reason": {dev: why for (dev, p), why in _pipeline_why.items() if p == part}}
+                   "rows": {dev: rows for (dev, p), (rows, _) in _pipeline.items() if p == part},
+                   "reason": {dev: why for (dev, p), (_, why) in _pipeline.items() if p == part}}
             for part, (env, _) in PIPELINES.items()} | {"fold_norms": os.environ.get(FOLD_ENV) or "off"}
 
 
@@ -211,7 +210,6 @@ def reset_pdl() -> None:
     """Forget the per-device decisions (after VOICELANE_PDL or VOICELANE_CP_PIPELINE changed)."""
     _pdl_devices.clear()
     _pipeline.clear()
-    _pipeline_why.clear()
 
 
 @contextlib.contextmanager
