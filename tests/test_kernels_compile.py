@@ -162,6 +162,34 @@ def compile_cp_forward(dtype: str) -> None:
         assert "cp.async" in ptx
 
 
+def compile_cp_stream(dtype: str) -> None:
+    """The streamed forward at the real model's shapes over 132 programs, at B1 (one row) and its first forward (two
+    rows). Each barrier is a release arrival, relaxed polls and one acquire; between an arrival and its acquire the
+    program reads the next weighted step's weights (plain vector loads: the activations read after a barrier are
+    `.cg`), except at o's barrier, whose next step (up) had its weights read at attention's: the reads ahead that
+    the design is for, kept by the compiler."""
+    from engine.kernels import cp_stream
+
+    cdiv = lambda n, d: -(-n // d)  # noqa: E731
+    per = {"QKV": cdiv(4096, 132), "RES": cdiv(1024, 132), "UP": cdiv(3072, 132), "HEAD": cdiv(2048, 132)}
+    geometry = {"L": 5, "H": 1024, "HQ": 16, "HKV": 8, "D": 128, "FF": 3072, "V": 2048, "BLOCK_QM": 16, "BLOCK_T": 2,
+                "BLOCK_C": 16, "BK_H": 1024, "BK_O": 2048, "BK_FF": 4096, "SPIN_LIMIT": 1 << 16,
+                "IEEE": dtype == "fp32"}
+    geometry |= {f"CN_{k}": v for k, v in per.items()} | {f"BN_{k}": triton.next_power_of_2(v) for k, v in per.items()}
+    for rows in (1, 2) if dtype == "bf16" else (1,):  # B1's forwards after the first, and the first (two tokens)
+        ptx = _compile(cp_stream._cp_stream_kernel, dtype, geometry | {"ROWS": rows},
+                       {"bar_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64"}, aligned=True)
+        arrivals = ptx.split("atom.global.gpu.release.add")[1:]
+        assert len(arrivals) == 25  # one a barrier
+        ahead = []
+        for text in arrivals:
+            waiting, acquired, _ = text.partition("ld.global.gpu.acquire")
+            assert acquired and "ld.global.gpu.relaxed" in waiting
+            ahead.append(sum("ld.global" in line and ".v4" in line and ".cg" not in line
+                             for line in waiting.splitlines()))
+        assert [n > 0 for n in ahead] == [True, True, False, True, True] * 5, ahead
+
+
 def _in_fresh_python(what: str, dtype: str) -> None:
     """Compile in a new interpreter without TRITON_INTERPRET: once the other kernel tests have run triton's
     interpreter in this process, its patched language objects break the real compiler."""
@@ -198,6 +226,11 @@ def test_cp_forward_kernel_compiles(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_cp_stream_kernel_compiles(dtype):
+    _in_fresh_python("cp_stream", dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_codec_window_kernel_compiles(dtype):
     _in_fresh_python("codec", dtype)
 
@@ -205,4 +238,4 @@ def test_codec_window_kernel_compiles(dtype):
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parents[1]))
     {"norm": compile_norm, "attention": compile_attention, "linear": compile_linear, "sampler": compile_sampler,
-     "codec": compile_codec, "cp_forward": compile_cp_forward}[sys.argv[1]](sys.argv[2])
+     "codec": compile_codec, "cp_forward": compile_cp_forward, "cp_stream": compile_cp_stream}[sys.argv[1]](sys.argv[2])

@@ -182,7 +182,7 @@ def test_a_batch_above_the_kernels_rows_runs_layer_by_layer_and_says_so(code_pre
 
 def test_switch_and_shape_errors(code_predictor, monkeypatch):
     monkeypatch.setenv(cf.CP_FORWARD_ENV, "fast")
-    with pytest.raises(ValueError, match="choose one of off, phased, persistent"):
+    with pytest.raises(ValueError, match="choose one of off, phased, persistent, streamed"):
         cf.cp_forward_mode()
     monkeypatch.setenv(cf.CP_FORWARD_ENV, "persistent")
     assert cf.cp_forward_mode() == "persistent"
@@ -194,7 +194,7 @@ def test_switch_and_shape_errors(code_predictor, monkeypatch):
     with pytest.raises(ValueError, match="do not fit"):  # a head of the Talker's width
         cf.cp_forward(stack, x, cos, sin, cache.k, cache.v, slots, positions, stack.norm.weight,
                       torch.zeros(8, stack.cfg.hidden_size + 1), "phased")
-    with pytest.raises(ValueError, match="phased or persistent"):
+    with pytest.raises(ValueError, match="phased, persistent or streamed"):
         cf.cp_forward(stack, x, cos, sin, cache.k, cache.v, slots, positions, stack.norm.weight,
                       code_predictor.lm_head[0].weight, "off")
 
@@ -219,10 +219,14 @@ def test_the_probe_tool_measures_every_step_and_shape_on_the_cpu(capsys):
     assert list(row["shapes"]) == ["default", "split=4/k=32", "warps=2/k=16"]
     assert "do not tile" in row["shapes"]["split=4/k=32"]["error"] and "ms" in row["shapes"]["warps=2/k=16"]
     assert len(row["prefix_ms"]) == steps and len(row["phased_step_ms"]) == steps
-    assert len(calls) == 2 + 2 * steps + 1 and row["barrier_timeouts"] == 0
+    # shapes, cuts, steps alone, barriers alone, then (2 rows fit the streamed forward) streamed and layer by layer
+    assert len(calls) == 2 + 2 * steps + 1 + 2 and row["barrier_timeouts"] == 0 and row["stream_timeouts"] == 0
+    assert row["streamed_ms"] < row["layers_ms"]  # the bench's counting: streamed was timed first
+    assert 0 < row["stream_vs_layers"] < 1e-5  # fp32: the two paths' sums in another order
     probe.print_tables(record, loaded.tts.talker.code_predictor.cfg.num_layers)
     out = capsys.readouterr().out
     assert "head" in out and "L0 qkv" in out and "barriers alone" in out and "do not tile" in out
+    assert "streamed forward" in out
     shapes_only = probe.probe(loaded, [1], ["default"], device="cpu", bench=bench, per_step=False)["batches"]["1"]
     assert shapes_only["prefix_ms"] == [] and shapes_only["phased_step_ms"] == [] and "ms" in shapes_only["shapes"][
         "default"]

@@ -46,7 +46,7 @@ def _greedy(model, frames: int) -> dict[int, torch.Tensor]:
 
 @pytest.mark.parametrize(("linear", "short", "cp_forward"),
                          [("cublas", "off", "off"), ("triton", "off", "off"), ("cublas", "on", "off"),
-                          ("cublas", "off", "persistent")])
+                          ("cublas", "off", "persistent"), ("cublas", "off", "streamed")])
 def test_greedy_codes_identical_on_both_paths(model, linear, short, cp_forward, monkeypatch):
     """linear: F.linear, or the skinny kernel for every decode GEMM; short: the Code Predictor's attention in one
     launch a layer (short_attention) or two; cp_forward: each Code Predictor forward in one kernel."""

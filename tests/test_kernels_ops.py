@@ -246,9 +246,12 @@ def test_gpu_check_script_runs_its_kernel_checks_on_the_cpu(tmp_path):
     assert main([str(tmp_path), "--smoke", "--no-model", "--model", "random:tiny"]) == 0
     rows = json.loads((tmp_path / "gpu_check_kernels.json").read_text())["kernels_checked"]
     assert {r["kernel"] for r in rows} == {"add_rms_norm", "swiglu", "qk_norm_rope_store", "cache_attention",
-                                           "short_attention", "cp_forward", "norm_linear"}
+                                           "short_attention", "cp_forward", "cp_stream", "norm_linear"}
     one_kernel = [r for r in rows if r["kernel"] == "cp_forward"]
     assert one_kernel and all(r["persistent_equals_phased"] and r["barrier_timeouts"] == 0 for r in one_kernel)
+    streamed = [r for r in rows if r["kernel"] == "cp_stream"]  # B1 with two tokens (B3's six rows are above 4)
+    assert [r["shape"] for r in streamed] == ["B1 T2 from position 0"]
+    assert streamed[0]["repeats_equal"] and streamed[0]["barrier_timeouts"] == 0
     assert all(r["ok"] and r["rel_err"] < 4e-3 for r in rows)
 
 
@@ -259,7 +262,7 @@ def test_gpu_check_script_can_check_cp_forward_alone(tmp_path):
 
     assert main([str(tmp_path), "--smoke", "--no-model", "--cp-forward-only", "--model", "random:tiny"]) == 0
     rows = json.loads((tmp_path / "gpu_check_kernels.json").read_text())["kernels_checked"]
-    assert rows and {r["kernel"] for r in rows} == {"cp_forward"}
+    assert rows and {r["kernel"] for r in rows} == {"cp_forward", "cp_stream"}
 
 
 def test_gpu_check_script_can_check_named_kernels_alone(tmp_path):

@@ -124,17 +124,18 @@ class CodePredictor(nn.Module):
 
     def _forward_kernel(self, device, rows: int) -> Callable[[int, Tensor, AttentionBatch, KVCache], Tensor] | None:
         """The one-kernel forward of engine.kernels.cp_forward when it is switched on and takes `rows` rows (the
-        first forward's two tokens a row within its MAX_ROWS; a larger batch runs the layer-by-layer kernels, which
-        is logged once per batch size and in /ready's cp_forward details), else None. Its persistent launches share
-        one set of barrier counters a frame (a single memset)."""
+        first forward's two tokens a row within the mode's max_rows; a larger batch runs the layer-by-layer kernels,
+        which is logged once per batch size and in /ready's cp_forward details), else None. Its persistent and
+        streamed launches share one set of barrier counters a frame (a single memset)."""
         if not kernels.use_triton(device):
             return None
         from engine.kernels.cp_forward import barrier_counters, cp_forward, cp_forward_mode, refuse_rows
 
         mode = cp_forward_mode()
-        if mode == "off" or refuse_rows(2 * rows):
+        if mode == "off" or refuse_rows(2 * rows, mode):
             return None
-        counters = barrier_counters(self.groups, self.cfg.num_layers, device) if mode == "persistent" else None
+        barriers = mode in ("persistent", "streamed")
+        counters = barrier_counters(self.groups, self.cfg.num_layers, device) if barriers else None
 
         def forward(group: int, x: Tensor, batch: AttentionBatch, cache: KVCache) -> Tensor:
             return cp_forward(self.model, x, batch.cos, batch.sin_signed, cache.k, cache.v, batch.slots,

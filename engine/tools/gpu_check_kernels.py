@@ -243,7 +243,7 @@ def kernel_checks(config, sizes: Sizes, time_it: bool, only: tuple[str, ...] = (
 
 # ---------------------------------------------------------------------------------------------- whole model
 def cp_forward_checks(loaded, sizes: Sizes, time_it: bool) -> list[dict]:
-    """engine.kernels.cp_forward (one Code Predictor forward and its head) in both modes against the model's own
+    """engine.kernels.cp_forward (one Code Predictor forward and its head) in its modes against the model's own
     path, on the loaded model's weights and dtype: the logits and the caches written, each measured against a float32
     copy of the model (a case passes within its dtype's tolerance or no less accurate than the model's own path);
     persistent must equal phased exactly (the same arithmetic in the same order), over 20 launches (a barrier that
@@ -270,7 +270,8 @@ def cp_forward_checks(loaded, sizes: Sizes, time_it: bool) -> list[dict]:
         v0 = torch.randn(k0.shape, device=DEVICE, generator=g)
 
         counters = cf.barrier_counters(1 + sizes.cp_repeats, cfg.num_layers, DEVICE)
-        launches = iter(counters)
+        stream_counters = cf.barrier_counters(1 + sizes.cp_repeats, cfg.num_layers, DEVICE)
+        launches = {"persistent": iter(counters), "streamed": iter(stream_counters)}
 
         def call(model, mode, dt, x=x, positions=positions, slots=slots, k0=k0, v0=v0, launches=launches):
             cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dt)
@@ -281,7 +282,7 @@ def cp_forward_checks(loaded, sizes: Sizes, time_it: bool) -> list[dict]:
                 if mode == "model":
                     logits = cp_forward_reference(*args)
                 else:
-                    logits = cf.cp_forward(*args, mode, next(launches) if mode == "persistent" else None)
+                    logits = cf.cp_forward(*args, mode, next(launches[mode]) if mode in launches else None)
             return (logits, k, v), args
 
         truth, _ = call(cp32, "model", torch.float32)
@@ -303,6 +304,21 @@ def cp_forward_checks(loaded, sizes: Sizes, time_it: bool) -> list[dict]:
             row["phased_us"] = _bench_us(lambda args=args: cf.cp_forward(*args, "phased"))
             row["torch_us"] = _bench_us(lambda args=args: cp_forward_reference(*args))
         rows.append(row)
+        if B * T > cf.max_rows("streamed"):
+            continue
+        # the streamed forward (engine.kernels.cp_stream): its sums run in another order, so no exact twin; the
+        # same result every launch, no timeout, and as accurate as the persistent one is asked to be
+        streamed, args = call(cp, "streamed", dtype)
+        again = [call(cp, "streamed", dtype)[0] for _ in range(sizes.cp_repeats)]
+        err = max(_rel_err(a, b) for a, b in zip(streamed, truth, strict=True))
+        timeouts = cf.barrier_timeouts(stream_counters)
+        stable = all(torch.equal(r[0], streamed[0]) for r in again)
+        rows.append({"kernel": "cp_stream", "shape": row["shape"], "dtype": row["dtype"], "rel_err": err,
+                     "torch_rel_err": own_err, "repeats_equal": stable, "barrier_timeouts": timeouts,
+                     "ok": stable and not timeouts and (err <= TOLERANCE[dtype] or err <= 2 * own_err)})
+        if time_it:
+            rows[-1]["kernel_us"] = _bench_us(lambda args=args: cf.cp_forward(*args, "streamed"))
+            rows[-1]["torch_us"] = row["torch_us"]
     return rows
 
 

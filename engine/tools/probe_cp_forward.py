@@ -11,7 +11,9 @@ later forward, the cache filled to position 15):
    cost plus one grid barrier;
 3. each step alone as a phased launch (its cost with no barrier, plus one launch in a graph);
 4. a launch of 25 grid barriers and nothing else, on the same grid;
-5. the stack's weight bytes over the whole forward's time: the bandwidth it reached (the H200's is about 4.8 TB/s).
+5. the stack's weight bytes over the whole forward's time: the bandwidth it reached (the H200's is about 4.8 TB/s);
+6. for batches of at most engine.kernels.cp_stream.STREAM_ROWS rows, the streamed forward (VOICELANE_CP_FORWARD=
+   streamed) and the layer-by-layer path (the model's own, with this process's kernel switches), whole forwards.
 Writes OUT_DIR/probe_cp_forward.json and prints the tables.
 """
 
@@ -116,6 +118,29 @@ def probe(loaded, batches: list[int], shapes: list[str], device: str = "cuda", b
             _barriers_only[(programs,)](bars, n_steps - 1, programs, SPIN_LIMIT=cf.SPIN_LIMIT)
 
         row["barriers_only_ms"] = bench(barriers_only)
+        if batch <= cf.max_rows("streamed"):  # the streamed forward (engine.kernels.cp_stream) beside the layer path
+            from engine.model.code_predictor import cp_forward_reference
+
+            stream_counters = cf.barrier_counters(1, L, device)[0]
+
+            def streamed(args=args, stream_counters=stream_counters):
+                stream_counters.zero_()
+                with torch.inference_mode():
+                    cf.cp_forward(*args, "streamed", stream_counters, programs=programs)
+
+            def layers(args=args):
+                with torch.inference_mode():
+                    cp_forward_reference(*args)
+
+            row["streamed_ms"] = bench(streamed)
+            row["layers_ms"] = bench(layers)
+            row["stream_timeouts"] = int(stream_counters[-1])
+            with torch.inference_mode():  # the two logits apart, over the largest of the layer path's
+                ours = cf.cp_forward(*args, "streamed", programs=programs).float()
+                theirs = cp_forward_reference(*args).float()
+            row["stream_vs_layers"] = float((ours - theirs).abs().max() / theirs.abs().max())
+            print(f"B{batch} streamed {row['streamed_ms'] * 1e3:.1f} us, layer by layer "
+                  f"{row['layers_ms'] * 1e3:.1f} us", flush=True)
         row["barrier_timeouts"] = int(counters[-1]) + int(bars[-1])
         record["batches"][str(batch)] = row
     return record
@@ -136,6 +161,10 @@ def print_tables(record: dict, layers: int) -> None:
                 print(f"  {shape:<28} {r['ms'] * 1e3:8.1f} us  {r['tb_per_s']:5.2f} TB/s")
         print(f"  25 barriers alone: {row['barriers_only_ms'] * 1e3:.1f} us; "
               f"barrier timeouts {row['barrier_timeouts']}")
+        if "streamed_ms" in row:
+            print(f"  streamed forward {row['streamed_ms'] * 1e3:.1f} us (timeouts {row['stream_timeouts']}; logits "
+                  f"{row['stream_vs_layers']:.1e} from the layer path's); layer by layer "
+                  f"{row['layers_ms'] * 1e3:.1f} us")
         print(f"B{batch}: step, persistent prefix rise (step + barrier) us, phased step alone us")
         previous = 0.0
         for s, (prefix, alone) in enumerate(zip(row["prefix_ms"], row["phased_step_ms"], strict=True)):
