@@ -219,9 +219,10 @@ def test_the_probe_tool_measures_every_step_and_shape_on_the_cpu(capsys):
     assert list(row["shapes"]) == ["default", "split=4/k=32", "warps=2/k=16"]
     assert "do not tile" in row["shapes"]["split=4/k=32"]["error"] and "ms" in row["shapes"]["warps=2/k=16"]
     assert len(row["prefix_ms"]) == steps and len(row["phased_step_ms"]) == steps
-    # shapes, cuts, steps alone, barriers alone, then (2 rows fit the streamed forward) streamed and layer by layer
-    assert len(calls) == 2 + 2 * steps + 1 + 2 and row["barrier_timeouts"] == 0 and row["stream_timeouts"] == 0
-    assert row["streamed_ms"] < row["layers_ms"]  # the bench's counting: streamed was timed first
+    # shapes, cuts, steps alone, barriers alone, then (2 rows fit the streamed forward) streamed with both polls and
+    # layer by layer
+    assert len(calls) == 2 + 2 * steps + 1 + 3 and row["barrier_timeouts"] == 0 and row["stream_timeouts"] == 0
+    assert row["streamed_ms"] < row["streamed_acquire_poll_ms"] < row["layers_ms"]  # the bench's order
     assert 0 < row["stream_vs_layers"] < 1e-5  # fp32: the two paths' sums in another order
     probe.print_tables(record, loaded.tts.talker.code_predictor.cfg.num_layers)
     out = capsys.readouterr().out

@@ -65,9 +65,14 @@ def test_a_streamed_barrier_that_waits_in_vain_counts_a_timeout_and_goes_on(code
     args = (stack, x, cos, sin, cache.k, cache.v, slots, positions, stack.norm.weight, code_predictor.lm_head[0].weight)
     waited_counters = cf.barrier_counters(1, stack.cfg.num_layers, "cpu")
     ok_counters = cf.barrier_counters(1, stack.cfg.num_layers, "cpu")
+    acquiring_counters = cf.barrier_counters(1, stack.cfg.num_layers, "cpu")
     with torch.inference_mode():
         waited = cs.stream_forward(*args, waited_counters[0], programs=1, barrier_target=2, spin_limit=3)
         ok = cs.stream_forward(*args, ok_counters[0], programs=1)
+        acquiring = cs.stream_forward(*args, acquiring_counters[0], programs=1, barrier_target=2, spin_limit=3,
+                                      acquire_poll=True)  # every poll an acquire: the same count, the same result
+    assert cf.barrier_timeouts(acquiring_counters) == cf.steps(stack.cfg.num_layers) - 1
+    torch.testing.assert_close(acquiring, ok, rtol=0, atol=0)
     barriers = cf.steps(stack.cfg.num_layers) - 1
     assert cf.barrier_timeouts(waited_counters) == barriers
     assert waited_counters[0, :barriers].tolist() == [1] * barriers  # one arrival at each barrier

@@ -56,16 +56,24 @@ def _arrive(counter_ptr):
 
 
 @triton.jit
-def _wait(counter_ptr, target, timeouts_ptr, SPIN_LIMIT: tl.constexpr):
+def _wait(counter_ptr, target, timeouts_ptr, SPIN_LIMIT: tl.constexpr, ACQUIRE_POLL: tl.constexpr):
     """Until `target` programs have arrived: relaxed polls, then one acquire (an arrival is a read-modify-write, so
-    reading the last one synchronises with every release before it). Past SPIN_LIMIT polls it counts a timeout and
-    goes on, as cp_forward's _grid_barrier does."""
-    arrived = tl.atomic_add(counter_ptr, 0, sem="relaxed", scope="gpu")
-    polls = 0
-    while (arrived < target) & (polls < SPIN_LIMIT):
+    reading the last one synchronises with every release before it); ACQUIRE_POLL: every poll an acquire (one L2
+    round trip fewer after the last arrival, an L1 invalidation a poll). Past SPIN_LIMIT polls it counts a timeout
+    and goes on, as cp_forward's _grid_barrier does."""
+    if ACQUIRE_POLL:
+        arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        polls = 0
+        while (arrived < target) & (polls < SPIN_LIMIT):
+            arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+            polls += 1
+    else:
         arrived = tl.atomic_add(counter_ptr, 0, sem="relaxed", scope="gpu")
-        polls += 1
-    arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")  # its value used: not optimised away
+        polls = 0
+        while (arrived < target) & (polls < SPIN_LIMIT):
+            arrived = tl.atomic_add(counter_ptr, 0, sem="relaxed", scope="gpu")
+            polls += 1
+        arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")  # its value used: not optimised away
     if arrived < target:
         tl.atomic_add(timeouts_ptr, 1)
     tl.debug_barrier()
@@ -174,7 +182,7 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
                       CN_QKV: tl.constexpr, BN_QKV: tl.constexpr, CN_RES: tl.constexpr, BN_RES: tl.constexpr,
                       CN_UP: tl.constexpr, BN_UP: tl.constexpr, CN_HEAD: tl.constexpr, BN_HEAD: tl.constexpr,
                       BK_H: tl.constexpr, BK_O: tl.constexpr, BK_FF: tl.constexpr,
-                      SPIN_LIMIT: tl.constexpr, IEEE: tl.constexpr, GDC: tl.constexpr):
+                      SPIN_LIMIT: tl.constexpr, ACQUIRE_POLL: tl.constexpr, IEEE: tl.constexpr, GDC: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
@@ -192,7 +200,7 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
                     ROWS, NQKV, H, CN_QKV, BN_QKV, BK_H)
         _arrive(bar)
         w_o = _weights(w_o_ptr + layer * H * HO, pid, H, HO, CN_RES, BN_RES, BK_O)
-        _wait(bar, target, timeouts, SPIN_LIMIT)
+        _wait(bar, target, timeouts, SPIN_LIMIT, ACQUIRE_POLL)
         # attn
         item = pid
         while item < B * HKV:
@@ -205,18 +213,18 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
         gu = w_gu_ptr + layer * 2 * FF * H
         w_gate = _weights(gu, pid, FF, H, CN_UP, BN_UP, BK_H)
         w_up = _weights(gu + FF * H, pid, FF, H, CN_UP, BN_UP, BK_H)
-        _wait(bar + 1, target, timeouts, SPIN_LIMIT)
+        _wait(bar + 1, target, timeouts, SPIN_LIMIT, ACQUIRE_POLL)
         # o
         _residual(attn_ptr, w_o, w_o_ptr + layer * H * HO, residual, h_ptr, pid, programs, ROWS, H, HO, CN_RES, BN_RES,
                   BK_O)
         _arrive(bar + 2)
-        _wait(bar + 2, target, timeouts, SPIN_LIMIT)
+        _wait(bar + 2, target, timeouts, SPIN_LIMIT, ACQUIRE_POLL)
         # up
         _swiglu(h_ptr, w_post_ptr + layer * H, w_gate, w_up, gu, act_ptr, pid, programs, eps, ROWS, FF, H, CN_UP, BN_UP,
                 BK_H)
         _arrive(bar + 3)
         w_down = _weights(w_down_ptr + layer * H * FF, pid, H, FF, CN_RES, BN_RES, BK_FF)
-        _wait(bar + 3, target, timeouts, SPIN_LIMIT)
+        _wait(bar + 3, target, timeouts, SPIN_LIMIT, ACQUIRE_POLL)
         # down
         _residual(act_ptr, w_down, w_down_ptr + layer * H * FF, h_ptr, h_ptr, pid, programs, ROWS, H, FF, CN_RES,
                   BN_RES, BK_FF)
@@ -225,7 +233,7 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
             w_qkv = _weights(w_qkv_ptr + (layer + 1) * NQKV * H, pid, NQKV, H, CN_QKV, BN_QKV, BK_H)
         else:
             w_head = _weights(w_head_ptr, pid, V, H, CN_HEAD, BN_HEAD, BK_H)
-        _wait(bar + 4, target, timeouts, SPIN_LIMIT)
+        _wait(bar + 4, target, timeouts, SPIN_LIMIT, ACQUIRE_POLL)
     # the head, on each batch row's last token
     tile = pid
     while tile < (V + CN_HEAD - 1) // CN_HEAD:
@@ -247,9 +255,10 @@ _TEST_COLUMNS: dict[str, int] | None = None
 def stream_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_cache: Tensor, v_cache: Tensor,
                    slots: Tensor, positions: Tensor, final_norm: Tensor, head: Tensor, counters: Tensor | None = None,
                    programs: int | None = None, barrier_target: int | None = None,
-                   spin_limit: int = SPIN_LIMIT) -> Tensor:
+                   spin_limit: int = SPIN_LIMIT, acquire_poll: bool = False) -> Tensor:
     """One forward of the decoder stack and its head, as cp_forward (same arguments; counters: one row of
-    cp_forward.barrier_counters, None: allocated here): the logits [B, V] of each row's last token."""
+    cp_forward.barrier_counters, None: allocated here): the logits [B, V] of each row's last token. acquire_poll
+    (probes): every barrier poll an acquire (_wait)."""
     weights = stacked_layers(stack)
     cfg = stack.cfg
     B, T, H = x.shape
@@ -292,6 +301,6 @@ def stream_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor,
         CN_UP=per["up"], BN_UP=triton.next_power_of_2(per["up"]),
         CN_HEAD=per["head"], BN_HEAD=triton.next_power_of_2(per["head"]),
         BK_H=triton.next_power_of_2(H), BK_O=triton.next_power_of_2(HQ * D), BK_FF=triton.next_power_of_2(FF),
-        SPIN_LIMIT=spin_limit, IEEE=dtype == torch.float32, num_warps=stream_warps(), num_stages=1,
-        **launch_options(dev))
+        SPIN_LIMIT=spin_limit, ACQUIRE_POLL=acquire_poll, IEEE=dtype == torch.float32, num_warps=stream_warps(),
+        num_stages=1, **launch_options(dev))
     return out

@@ -13,7 +13,8 @@ later forward, the cache filled to position 15):
 4. a launch of 25 grid barriers and nothing else, on the same grid;
 5. the stack's weight bytes over the whole forward's time: the bandwidth it reached (the H200's is about 4.8 TB/s);
 6. for batches of at most engine.kernels.cp_stream.STREAM_ROWS rows, the streamed forward (VOICELANE_CP_FORWARD=
-   streamed) and the layer-by-layer path (the model's own, with this process's kernel switches), whole forwards.
+   streamed; its barriers' polls relaxed, then every poll an acquire) and the layer-by-layer path (the model's
+   own, with this process's kernel switches), whole forwards.
 Writes OUT_DIR/probe_cp_forward.json and prints the tables.
 """
 
@@ -123,23 +124,27 @@ def probe(loaded, batches: list[int], shapes: list[str], device: str = "cuda", b
 
             stream_counters = cf.barrier_counters(1, L, device)[0]
 
-            def streamed(args=args, stream_counters=stream_counters):
+            def streamed(args=args, stream_counters=stream_counters, acquire_poll=False):
+                from engine.kernels.cp_stream import stream_forward
+
                 stream_counters.zero_()
                 with torch.inference_mode():
-                    cf.cp_forward(*args, "streamed", stream_counters, programs=programs)
+                    stream_forward(*args, stream_counters, programs=programs, acquire_poll=acquire_poll)
 
             def layers(args=args):
                 with torch.inference_mode():
                     cp_forward_reference(*args)
 
             row["streamed_ms"] = bench(streamed)
+            row["streamed_acquire_poll_ms"] = bench(lambda: streamed(acquire_poll=True))
             row["layers_ms"] = bench(layers)
             row["stream_timeouts"] = int(stream_counters[-1])
             with torch.inference_mode():  # the two logits apart, over the largest of the layer path's
                 ours = cf.cp_forward(*args, "streamed", programs=programs).float()
                 theirs = cp_forward_reference(*args).float()
             row["stream_vs_layers"] = float((ours - theirs).abs().max() / theirs.abs().max())
-            print(f"B{batch} streamed {row['streamed_ms'] * 1e3:.1f} us, layer by layer "
+            print(f"B{batch} streamed {row['streamed_ms'] * 1e3:.1f} us (acquire polls "
+                  f"{row['streamed_acquire_poll_ms'] * 1e3:.1f} us), layer by layer "
                   f"{row['layers_ms'] * 1e3:.1f} us", flush=True)
         row["barrier_timeouts"] = int(counters[-1]) + int(bars[-1])
         record["batches"][str(batch)] = row
@@ -162,7 +167,8 @@ def print_tables(record: dict, layers: int) -> None:
         print(f"  25 barriers alone: {row['barriers_only_ms'] * 1e3:.1f} us; "
               f"barrier timeouts {row['barrier_timeouts']}")
         if "streamed_ms" in row:
-            print(f"  streamed forward {row['streamed_ms'] * 1e3:.1f} us (timeouts {row['stream_timeouts']}; logits "
+            print(f"  streamed forward {row['streamed_ms'] * 1e3:.1f} us, with acquire polls "
+                  f"{row['streamed_acquire_poll_ms'] * 1e3:.1f} us (timeouts {row['stream_timeouts']}; logits "
                   f"{row['stream_vs_layers']:.1e} from the layer path's); layer by layer "
                   f"{row['layers_ms'] * 1e3:.1f} us")
         print(f"B{batch}: step, persistent prefix rise (step + barrier) us, phased step alone us")
