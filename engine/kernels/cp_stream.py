@@ -7,13 +7,14 @@ step at B1 against 1 to 3 us of weights (docs/PERFORMANCE.md, fifth session): ea
 only after its barrier, so every step paid an HBM round trip and a filling pipeline on top of the barrier. Here:
 
 - A step's output columns are cut once per program (cdiv(N, programs) columns, all of K): each program's tile of
-  a step is one register tensor, read *before* the barrier in front of the step (between the program's arrival
-  and its wait), a weighted step ahead: o's during attention's barrier, gate/up's during o's, down's during up's,
-  the next layer's q/k/v (or the head's) during down's. Layer 0's q/k/v is read before the kernel waits for its
-  inputs (PDL), so it overlaps the kernels before it.
-- After a barrier, a step reads its activation rows whole (a few KB, from L2) and multiplies them by the tile in
-  registers: row dot products on the CUDA cores (at most STREAM_ROWS rows, no tensor-core tile to fill). An RMSNorm
-  is taken from the row itself, which every program holds whole (no partial sums of squares).
+  a step is one register tensor, read between the program's arrival at a barrier and its wait there: o's at
+  q/k/v's barrier (held through attention), gate/up's at attention's, down's at up's, the next layer's q/k/v (or
+  the head's) at down's; o's barrier reads nothing (gate/up and down at once would not fit the registers). Layer
+  0's q/k/v is read before the kernel waits for its inputs (PDL), so it overlaps the kernels before it.
+- After a barrier, a step reads its activation rows whole (a few KB, from L2; the norm's weight was read ahead
+  with the tile) and multiplies them by the tile in registers: row dot products on the CUDA cores (at most
+  STREAM_ROWS rows, no tensor-core tile to fill). An RMSNorm is taken from the row itself, which every program
+  holds whole (no partial sums of squares).
 - A barrier is an arrival (release) and a wait (relaxed polls, then one acquire), so the weight reads between them
   are in flight while the slowest program arrives.
 
@@ -98,12 +99,19 @@ def _row(x_ptr, row, K: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _normed(x, norm_ptr, K: tl.constexpr, BK: tl.constexpr, eps):
-    """RMSNorm of one row x [BK] (zeros past K) times the norm's weight, rounded as add_rms_norm rounds."""
+def _norm_weight(norm_ptr, K: tl.constexpr, BK: tl.constexpr):
+    """An RMSNorm's weight [BK] in fp32 (zeros past K): read ahead with the step's weights, so the norm after the
+    barrier waits on no load of its own."""
     k = tl.arange(0, BK)
+    return tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _normed(x, nw, K: tl.constexpr, eps):
+    """RMSNorm of one row x [BK] (zeros past K) times the norm's weight nw (_norm_weight), rounded as add_rms_norm
+    rounds."""
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
-    nw = tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32)
     return (nw * (xf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
 
 
@@ -121,14 +129,14 @@ def _store_cols(y_ptr, row, tile, y, N: tl.constexpr, CN: tl.constexpr, BN: tl.c
 
 
 @triton.jit
-def _projection(x_ptr, norm_ptr, w, w_ptr, y_ptr, pid, programs, eps, ROWS: tl.constexpr, N: tl.constexpr,
+def _projection(x_ptr, nw, w, w_ptr, y_ptr, pid, programs, eps, ROWS: tl.constexpr, N: tl.constexpr,
                 K: tl.constexpr, CN: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """y[ROWS, N] = RMSNorm(x)[ROWS, K] @ w_ptr[N, K]^T, tile by tile; w: this program's first tile, read ahead (a
     program with several tiles, as in the interpreter's single program, reads the rest as it goes)."""
     tile = pid
     while tile < (N + CN - 1) // CN:
         for m in tl.static_range(ROWS):
-            x = _normed(_row(x_ptr, m, K, BK), norm_ptr, K, BK, eps)
+            x = _normed(_row(x_ptr, m, K, BK), nw, K, eps)
             _store_cols(y_ptr, m, tile, _dot(w, x).to(y_ptr.dtype.element_ty), N, CN, BN)
         tile += programs
         w = _weights(w_ptr, tile, N, K, CN, BN, BK)
@@ -154,13 +162,13 @@ def _residual(x_ptr, w, w_ptr, res_ptr, h_ptr, pid, programs, ROWS: tl.constexpr
 
 
 @triton.jit
-def _swiglu(x_ptr, norm_ptr, w_gate, w_up, gu_ptr, act_ptr, pid, programs, eps, ROWS: tl.constexpr, FF: tl.constexpr,
+def _swiglu(x_ptr, nw, w_gate, w_up, gu_ptr, act_ptr, pid, programs, eps, ROWS: tl.constexpr, FF: tl.constexpr,
             K: tl.constexpr, CN: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """act[ROWS, FF] = SwiGLU(RMSNorm(x) @ gate^T, RMSNorm(x) @ up^T); gu_ptr: [gate; up] [2 FF, K]."""
     tile = pid
     while tile < (FF + CN - 1) // CN:
         for m in tl.static_range(ROWS):
-            x = _normed(_row(x_ptr, m, K, BK), norm_ptr, K, BK, eps)
+            x = _normed(_row(x_ptr, m, K, BK), nw, K, eps)
             gate = _dot(w_gate, x).to(act_ptr.dtype.element_ty).to(tl.float32)
             up = _dot(w_up, x).to(act_ptr.dtype.element_ty)
             silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # SwiGLU as engine.kernels.norm.swiglu
@@ -189,6 +197,7 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
     HO: tl.constexpr = HQ * D  # the o projection's K
     timeouts = bar_ptr + 5 * L + 1  # cp_forward.counter_slots' layout: a counter per step, then the timeouts
     w_qkv = _weights(w_qkv_ptr, pid, NQKV, H, CN_QKV, BN_QKV, BK_H)  # constants: read before the inputs are ready
+    nw_in = _norm_weight(w_in_ptr, H, BK_H)
     wait_inputs(GDC)
     for layer in tl.static_range(L):
         residual = h_ptr
@@ -196,7 +205,7 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
             residual = x_ptr  # the stack's input is the first residual
         bar = bar_ptr + 5 * layer
         # qkv
-        _projection(residual, w_in_ptr + layer * H, w_qkv, w_qkv_ptr + layer * NQKV * H, qkv_ptr, pid, programs, eps,
+        _projection(residual, nw_in, w_qkv, w_qkv_ptr + layer * NQKV * H, qkv_ptr, pid, programs, eps,
                     ROWS, NQKV, H, CN_QKV, BN_QKV, BK_H)
         _arrive(bar)
         w_o = _weights(w_o_ptr + layer * H * HO, pid, H, HO, CN_RES, BN_RES, BK_O)
@@ -213,6 +222,7 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
         gu = w_gu_ptr + layer * 2 * FF * H
         w_gate = _weights(gu, pid, FF, H, CN_UP, BN_UP, BK_H)
         w_up = _weights(gu + FF * H, pid, FF, H, CN_UP, BN_UP, BK_H)
+        nw_post = _norm_weight(w_post_ptr + layer * H, H, BK_H)
         _wait(bar + 1, target, timeouts, SPIN_LIMIT, ACQUIRE_POLL)
         # o
         _residual(attn_ptr, w_o, w_o_ptr + layer * H * HO, residual, h_ptr, pid, programs, ROWS, H, HO, CN_RES, BN_RES,
@@ -220,7 +230,7 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
         _arrive(bar + 2)
         _wait(bar + 2, target, timeouts, SPIN_LIMIT, ACQUIRE_POLL)
         # up
-        _swiglu(h_ptr, w_post_ptr + layer * H, w_gate, w_up, gu, act_ptr, pid, programs, eps, ROWS, FF, H, CN_UP, BN_UP,
+        _swiglu(h_ptr, nw_post, w_gate, w_up, gu, act_ptr, pid, programs, eps, ROWS, FF, H, CN_UP, BN_UP,
                 BK_H)
         _arrive(bar + 3)
         w_down = _weights(w_down_ptr + layer * H * FF, pid, H, FF, CN_RES, BN_RES, BK_FF)
@@ -231,15 +241,17 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
         _arrive(bar + 4)
         if layer + 1 < L:
             w_qkv = _weights(w_qkv_ptr + (layer + 1) * NQKV * H, pid, NQKV, H, CN_QKV, BN_QKV, BK_H)
+            nw_in = _norm_weight(w_in_ptr + (layer + 1) * H, H, BK_H)
         else:
             w_head = _weights(w_head_ptr, pid, V, H, CN_HEAD, BN_HEAD, BK_H)
+            nw_final = _norm_weight(w_final_ptr, H, BK_H)
         _wait(bar + 4, target, timeouts, SPIN_LIMIT, ACQUIRE_POLL)
     # the head, on each batch row's last token
     tile = pid
     while tile < (V + CN_HEAD - 1) // CN_HEAD:
         b = 0
         while b < B:
-            x = _normed(_row(h_ptr, b * T + T - 1, H, BK_H), w_final_ptr, H, BK_H, eps)
+            x = _normed(_row(h_ptr, b * T + T - 1, H, BK_H), nw_final, H, eps)
             _store_cols(out_ptr, b, tile, _dot(w_head, x).to(out_ptr.dtype.element_ty), V, CN_HEAD, BN_HEAD)
             b += 1
         tile += programs
