@@ -177,7 +177,7 @@ def compile_cp_stream(dtype: str) -> None:
                 "IEEE": dtype == "fp32"}
     geometry |= {f"CN_{k}": v for k, v in per.items()} | {f"BN_{k}": triton.next_power_of_2(v) for k, v in per.items()}
     for rows in (1, 2) if dtype == "bf16" else (1,):  # B1's forwards after the first, and the first (two tokens)
-        ptx = _compile(cp_stream._cp_stream_kernel, dtype, geometry | {"ROWS": rows},
+        ptx = _compile(cp_stream._cp_stream_kernel, dtype, geometry | {"ROWS": rows, "ACQUIRE_POLL": False},
                        {"bar_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64"}, aligned=True)
         arrivals = ptx.split("atom.global.gpu.release.add")[1:]
         assert len(arrivals) == 25  # one a barrier

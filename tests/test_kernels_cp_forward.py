@@ -50,6 +50,10 @@ def _run(cp, mode: str, B: int, T: int, start: int, dtype, group: int = 3, range
         if mode == "reference":
             with kernels.backend("torch"):
                 logits = cp_forward_reference(*args)
+        elif mode == "streamed":  # engine/kernels/cp_stream.py (tests/test_kernels_cp_stream.py)
+            from engine.kernels.cp_stream import stream_forward
+
+            logits = stream_forward(*args)
         elif ranges is None:
             logits = cf.cp_forward(*args, mode)
         else:  # launches of step ranges (engine.tools.probe_cp_forward's cuts); each has fresh scratch buffers
@@ -194,7 +198,7 @@ def test_switch_and_shape_errors(code_predictor, monkeypatch):
     with pytest.raises(ValueError, match="do not fit"):  # a head of the Talker's width
         cf.cp_forward(stack, x, cos, sin, cache.k, cache.v, slots, positions, stack.norm.weight,
                       torch.zeros(8, stack.cfg.hidden_size + 1), "phased")
-    with pytest.raises(ValueError, match="phased, persistent or streamed"):
+    with pytest.raises(ValueError, match="phased or persistent"):
         cf.cp_forward(stack, x, cos, sin, cache.k, cache.v, slots, positions, stack.norm.weight,
                       code_predictor.lm_head[0].weight, "off")
 

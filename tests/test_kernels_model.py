@@ -54,10 +54,13 @@ def test_greedy_codes_identical_on_both_paths(model, linear, short, cp_forward, 
     monkeypatch.setenv("VOICELANE_SHORT_ATTENTION", short)
     monkeypatch.setenv("VOICELANE_CP_FORWARD", cp_forward)
     from engine.kernels import cp_forward as one_kernel
+    from engine.kernels import cp_stream
 
     launched = []
-    real = one_kernel.cp_forward
+    real, real_streamed = one_kernel.cp_forward, cp_stream.stream_forward
     monkeypatch.setattr(one_kernel, "cp_forward", lambda *a, **kw: launched.append(a[10]) or real(*a, **kw))
+    monkeypatch.setattr(cp_stream, "stream_forward",
+                        lambda *a, **kw: launched.append("streamed") or real_streamed(*a, **kw))
     with kernels.backend("torch"):
         reference = _greedy(model, 2)
     with kernels.backend("triton"):

@@ -149,21 +149,15 @@ def kernels_status() -> dict:
 
         # the Code Predictor's attention: one launch a layer, or two (qk_norm_rope_store, cache_attention)
         status["short_attention"] = {"on": short_attention_on(), "switch": SHORT_ATTENTION_ENV}
-        from engine.kernels.cp_forward import (
-            CP_FORWARD_ENV,
-            TILES_ENV,
-            Tiles,
-            cp_forward_mode,
-            max_rows,
-            refused_rows,
-        )
-        from engine.kernels.cp_stream import stream_warps
+        from engine.kernels.cp_forward import CP_FORWARD_ENV, MAX_ROWS, TILES_ENV, Tiles, cp_forward_mode, refused_rows
+        from engine.kernels.cp_stream import STREAM_ROWS, stream_warps
 
         # the Code Predictor's forward: the layer-by-layer kernels ("off"), 26 launches ("phased") or one; forwards
         # of more rows than it takes run the layer-by-layer kernels (listed once seen)
         status["cp_forward"] = {"mode": cp_forward_mode(), "switch": CP_FORWARD_ENV,
                                 "tiles": asdict(Tiles.from_env()), "tiles_switch": TILES_ENV,
-                                "max_rows": max_rows(cp_forward_mode()), "stream_warps": stream_warps(),
+                                "max_rows": STREAM_ROWS if cp_forward_mode() == "streamed" else MAX_ROWS,
+                                "stream_warps": stream_warps(),
                                 "layer_by_layer_rows": refused_rows()}
     status["pdl"] = pdl_status()
     status["pipeline"] = pipeline_status()

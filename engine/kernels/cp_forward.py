@@ -59,24 +59,16 @@ MAX_ROWS = 128  # rows (batch x tokens) of one launch: the 128-row dot tiles' sh
 _REFUSED_ROWS: set[int] = set()
 
 
-def max_rows(mode: str) -> int:
-    """The most rows (batch x tokens) one launch of `mode` takes."""
-    if mode == "streamed":
-        from engine.kernels.cp_stream import STREAM_ROWS
-
-        return STREAM_ROWS
-    return MAX_ROWS
-
-
-def refuse_rows(rows: int, mode: str) -> bool:
+def refuse_rows(rows: int, limit: int, mode: str) -> bool:
     """True (and logged once per size, and listed by refused_rows() for /ready) when a forward of `rows` rows is
-    above what `mode` takes: the caller runs the layer-by-layer kernels for it instead."""
-    if rows <= max_rows(mode):
+    above the `limit` that `mode` takes (MAX_ROWS, or cp_stream.STREAM_ROWS): the caller runs the layer-by-layer
+    kernels for it instead."""
+    if rows <= limit:
         return False
     if rows not in _REFUSED_ROWS:
         _REFUSED_ROWS.add(rows)
         log.warning("cp_forward %s takes at most %d rows a launch; a Code Predictor forward of %d rows runs the "
-                    "layer-by-layer kernels", mode, max_rows(mode), rows)
+                    "layer-by-layer kernels", mode, limit, rows)
     return True
 
 
@@ -518,16 +510,10 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
     x [B, T, H] (contiguous, the stack's input); cos, sin_signed [B, T, D] (unit last stride); k_cache, v_cache
     [L, slots, Hkv, C, D] (C <= 64); slots [B]; positions [B, T]; final_norm [H]; head [V, H]. mode: "phased" or
     "persistent"; counters [counter_slots] int32, zero (persistent; None: allocated here; barrier_timeouts reads
-    them after); programs: the persistent grid (None: one per multiprocessor on CUDA, 1 elsewhere); mode
-    "streamed" is engine.kernels.cp_stream.stream_forward with the same arguments (tiles and step_range do not apply);
+    them after); programs: the persistent grid (None: one per multiprocessor on CUDA, 1 elsewhere);
     barrier_target, spin_limit (tests): the arrivals a barrier waits for (None: every program) and its polls;
     tiles: the launch shape (None: Tiles.from_env()); step_range (probes, engine.tools.probe_cp_forward): only steps
     first .. last - 1 (the logits are written only if the head's step is among them)."""
-    if mode == "streamed":
-        from engine.kernels.cp_stream import stream_forward
-
-        return stream_forward(stack, x, cos, sin_signed, k_cache, v_cache, slots, positions, final_norm, head,
-                              counters, programs, barrier_target, spin_limit)
     weights = stacked_layers(stack)
     tiles = tiles if tiles is not None else Tiles.from_env()
     cfg = stack.cfg
@@ -540,7 +526,7 @@ def cp_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_c
         raise ValueError(f"cp_forward: x {tuple(x.shape)}, cache {tuple(k_cache.shape)}, head {tuple(head.shape)} "
                          f"do not fit a {L}-layer stack of width {H} ({HQ} heads, {HKV} kv heads, head_dim {D})")
     if mode not in ("phased", "persistent"):
-        raise ValueError(f"cp_forward mode {mode!r}: phased, persistent or streamed")
+        raise ValueError(f"cp_forward mode {mode!r}: phased or persistent (streamed: cp_stream.stream_forward)")
     M = B * T
     if M > MAX_ROWS:
         raise ValueError(f"cp_forward: {M} rows, at most {MAX_ROWS} a launch")

@@ -129,18 +129,21 @@ class CodePredictor(nn.Module):
         streamed launches share one set of barrier counters a frame (a single memset)."""
         if not kernels.use_triton(device):
             return None
-        from engine.kernels.cp_forward import barrier_counters, cp_forward, cp_forward_mode, refuse_rows
+        from engine.kernels.cp_forward import MAX_ROWS, barrier_counters, cp_forward, cp_forward_mode, refuse_rows
+        from engine.kernels.cp_stream import STREAM_ROWS, stream_forward
 
         mode = cp_forward_mode()
-        if mode == "off" or refuse_rows(2 * rows, mode):
+        if mode == "off" or refuse_rows(2 * rows, STREAM_ROWS if mode == "streamed" else MAX_ROWS, mode):
             return None
         barriers = mode in ("persistent", "streamed")
         counters = barrier_counters(self.groups, self.cfg.num_layers, device) if barriers else None
 
         def forward(group: int, x: Tensor, batch: AttentionBatch, cache: KVCache) -> Tensor:
-            return cp_forward(self.model, x, batch.cos, batch.sin_signed, cache.k, cache.v, batch.slots,
-                              batch.positions, self.model.norm.weight, self.lm_head[group - 1].weight, mode,
-                              counters[group - 1] if counters is not None else None)
+            args = (self.model, x, batch.cos, batch.sin_signed, cache.k, cache.v, batch.slots, batch.positions,
+                    self.model.norm.weight, self.lm_head[group - 1].weight)
+            if mode == "streamed":
+                return stream_forward(*args, counters[group - 1])
+            return cp_forward(*args, mode, counters[group - 1] if counters is not None else None)
         return forward
 
     def _compiled_forward(self) -> Callable[[int, Tensor, AttentionBatch, KVCache], Tensor] | None:

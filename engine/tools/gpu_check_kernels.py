@@ -251,6 +251,7 @@ def cp_forward_checks(loaded, sizes: Sizes, time_it: bool) -> list[dict]:
     import copy
 
     from engine.kernels import cp_forward as cf
+    from engine.kernels import cp_stream as cs
     from engine.model.code_predictor import cp_forward_reference
     from engine.model.layers import rope_cos_sin, signed_sin
 
@@ -271,9 +272,11 @@ def cp_forward_checks(loaded, sizes: Sizes, time_it: bool) -> list[dict]:
 
         counters = cf.barrier_counters(1 + sizes.cp_repeats, cfg.num_layers, DEVICE)
         stream_counters = cf.barrier_counters(1 + sizes.cp_repeats, cfg.num_layers, DEVICE)
-        launches = {"persistent": iter(counters), "streamed": iter(stream_counters)}
+        launches = iter(counters)
+        stream_launches = iter(stream_counters)
 
-        def call(model, mode, dt, x=x, positions=positions, slots=slots, k0=k0, v0=v0, launches=launches):
+        def call(model, mode, dt, x=x, positions=positions, slots=slots, k0=k0, v0=v0, launches=launches,
+                 stream_launches=stream_launches):
             cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dt)
             k, v = k0.to(dt), v0.to(dt)
             args = (model.model, x.to(dt), cos, signed_sin(sin), k, v, slots, positions, model.model.norm.weight,
@@ -281,8 +284,10 @@ def cp_forward_checks(loaded, sizes: Sizes, time_it: bool) -> list[dict]:
             with torch.inference_mode():
                 if mode == "model":
                     logits = cp_forward_reference(*args)
+                elif mode == "streamed":
+                    logits = cs.stream_forward(*args, next(stream_launches))
                 else:
-                    logits = cf.cp_forward(*args, mode, next(launches[mode]) if mode in launches else None)
+                    logits = cf.cp_forward(*args, mode, next(launches) if mode == "persistent" else None)
             return (logits, k, v), args
 
         truth, _ = call(cp32, "model", torch.float32)
@@ -304,7 +309,7 @@ def cp_forward_checks(loaded, sizes: Sizes, time_it: bool) -> list[dict]:
             row["phased_us"] = _bench_us(lambda args=args: cf.cp_forward(*args, "phased"))
             row["torch_us"] = _bench_us(lambda args=args: cp_forward_reference(*args))
         rows.append(row)
-        if B * T > cf.max_rows("streamed"):
+        if B * T > cs.STREAM_ROWS:
             continue
         # the streamed forward (engine.kernels.cp_stream): its sums run in another order, so no exact twin; the
         # same result every launch, no timeout, and as accurate as the persistent one is asked to be
@@ -317,7 +322,7 @@ def cp_forward_checks(loaded, sizes: Sizes, time_it: bool) -> list[dict]:
                      "torch_rel_err": own_err, "repeats_equal": stable, "barrier_timeouts": timeouts,
                      "ok": stable and not timeouts and (err <= TOLERANCE[dtype] or err <= 2 * own_err)})
         if time_it:
-            rows[-1]["kernel_us"] = _bench_us(lambda args=args: cf.cp_forward(*args, "streamed"))
+            rows[-1]["kernel_us"] = _bench_us(lambda args=args: cs.stream_forward(*args))
             rows[-1]["torch_us"] = row["torch_us"]
     return rows
 

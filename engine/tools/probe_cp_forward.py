@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.cp_forward import _grid_barrier
+from engine.kernels.cp_stream import STREAM_ROWS, stream_forward
 
 PHASE_NAMES = ("qkv", "attn", "o", "up", "down")
 
@@ -119,14 +120,12 @@ def probe(loaded, batches: list[int], shapes: list[str], device: str = "cuda", b
             _barriers_only[(programs,)](bars, n_steps - 1, programs, SPIN_LIMIT=cf.SPIN_LIMIT)
 
         row["barriers_only_ms"] = bench(barriers_only)
-        if batch <= cf.max_rows("streamed"):  # the streamed forward (engine.kernels.cp_stream) beside the layer path
+        if batch <= STREAM_ROWS:  # the streamed forward (engine.kernels.cp_stream) beside the layer path
             from engine.model.code_predictor import cp_forward_reference
 
             stream_counters = cf.barrier_counters(1, L, device)[0]
 
             def streamed(args=args, stream_counters=stream_counters, acquire_poll=False):
-                from engine.kernels.cp_stream import stream_forward
-
                 stream_counters.zero_()
                 with torch.inference_mode():
                     stream_forward(*args, stream_counters, programs=programs, acquire_poll=acquire_poll)
@@ -140,7 +139,7 @@ def probe(loaded, batches: list[int], shapes: list[str], device: str = "cuda", b
             row["layers_ms"] = bench(layers)
             row["stream_timeouts"] = int(stream_counters[-1])
             with torch.inference_mode():  # the two logits apart, over the largest of the layer path's
-                ours = cf.cp_forward(*args, "streamed", programs=programs).float()
+                ours = stream_forward(*args, programs=programs).float()
                 theirs = cp_forward_reference(*args).float()
             row["stream_vs_layers"] = float((ours - theirs).abs().max() / theirs.abs().max())
             print(f"B{batch} streamed {row['streamed_ms'] * 1e3:.1f} us (acquire polls "
