@@ -174,11 +174,11 @@ def compile_cp_stream(dtype: str) -> None:
     per = {"QKV": cdiv(4096, 132), "RES": cdiv(1024, 132), "UP": cdiv(3072, 132), "HEAD": cdiv(2048, 132)}
     geometry = {"L": 5, "H": 1024, "HQ": 16, "HKV": 8, "D": 128, "FF": 3072, "V": 2048, "BLOCK_QM": 16, "BLOCK_T": 2,
                 "BLOCK_C": 16, "BK_H": 1024, "BK_O": 2048, "BK_FF": 4096, "SPIN_LIMIT": 1 << 16,
-                "IEEE": dtype == "fp32"}
+                "IEEE": dtype == "fp32", "MARKS": 0, "LAYER_WEIGHTS": True}
     geometry |= {f"CN_{k}": v for k, v in per.items()} | {f"BN_{k}": triton.next_power_of_2(v) for k, v in per.items()}
     for rows in (1, 2) if dtype == "bf16" else (1,):  # B1's forwards after the first, and the first (two tokens)
         ptx = _compile(cp_stream._cp_stream_kernel, dtype, geometry | {"ROWS": rows, "ACQUIRE_POLL": False},
-                       {"bar_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64"}, aligned=True)
+                       {"bar_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64", "stamps_ptr": "*i64"}, aligned=True)
         arrivals = ptx.split("atom.global.gpu.release.add")[1:]
         assert len(arrivals) == 25  # one a barrier
         ahead = []
@@ -188,6 +188,13 @@ def compile_cp_stream(dtype: str) -> None:
             ahead.append(sum("ld.global" in line and ".v4" in line and ".cg" not in line
                              for line in waiting.splitlines()))
         assert [n > 0 for n in ahead] == [True, True, False, True, True] * 5, ahead
+    # the probe's stamps (engine.tools.probe_cp_forward --stamps): a timer and a clock read at each mark, none without
+    assert "%globaltimer" not in ptx and "%clock64" not in ptx
+    marks = cp_stream.stamp_marks(5)
+    ptx = _compile(cp_stream._cp_stream_kernel, dtype, geometry | {"ROWS": 1, "ACQUIRE_POLL": False, "MARKS": marks,
+                                                                   "GDC": 1},
+                   {"bar_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64", "stamps_ptr": "*i64"}, aligned=True)
+    assert ptx.count("%globaltimer") == ptx.count("%clock64") == marks
 
 
 def _in_fresh_python(what: str, dtype: str) -> None:

@@ -19,6 +19,7 @@ if os.environ["TRITON_INTERPRET"] != "1":
 from engine import kernels  # noqa: E402
 from engine.kernels import cp_forward as cf  # noqa: E402
 from engine.kernels import cp_stream as cs  # noqa: E402
+from engine.model.code_predictor import cp_forward_reference  # noqa: E402
 from engine.model.random_model import build_random_model  # noqa: E402
 from tests.test_kernels_cp_forward import _inputs, _run  # noqa: E402
 
@@ -105,3 +106,84 @@ def test_warps_switch(monkeypatch):
     monkeypatch.setenv(cs.WARPS_ENV, "12")
     with pytest.raises(ValueError, match="4, 8, 16 or 32"):
         cs.stream_warps()
+
+
+def test_the_probes_l2_variant_multiplies_every_layer_by_layer_0s_weights(code_predictor):
+    """layer_weights=False (engine.tools.probe_cp_forward's "weights in L2" timing) is the forward of a model whose
+    every layer has layer 0's projections and its own norms: what it times is a forward, with other weights."""
+    twin = _model(torch.float32)
+    stacked = cf.stacked_layers(twin.model)
+    with torch.no_grad():
+        for weights in (stacked.qkv, stacked.o, stacked.gate_up, stacked.down):
+            weights[1:] = weights[0]  # the layers' parameters are views of these
+    x, cos, sin, cache, slots, positions = _inputs(code_predictor, 1, 2, 0, torch.float32, seed=8)
+    twin_cache_k, twin_cache_v = cache.k.clone(), cache.v.clone()
+    with torch.inference_mode():
+        stack = code_predictor.model
+        probed = cs.stream_forward(stack, x, cos, sin, cache.k, cache.v, slots, positions, stack.norm.weight,
+                                   code_predictor.lm_head[0].weight, layer_weights=False)
+        usual = cs.stream_forward(stack, x, cos, sin, cache.k.clone(), cache.v.clone(), slots, positions,
+                                  stack.norm.weight, code_predictor.lm_head[0].weight)
+        with kernels.backend("torch"):
+            want = cp_forward_reference(twin.model, x, cos, sin, twin_cache_k, twin_cache_v, slots, positions,
+                                        twin.model.norm.weight, twin.lm_head[0].weight)
+    torch.testing.assert_close(probed, want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(cache.k, twin_cache_k, rtol=2e-5, atol=2e-5)
+    assert (probed - usual).abs().max() > 1e-3  # the layers' own weights do differ
+
+
+def test_stamps_take_an_int64_buffer_of_every_programs_marks(code_predictor):
+    x, cos, sin, cache, slots, positions = _inputs(code_predictor, 1, 1, 3, torch.float32, seed=2)
+    stack = code_predictor.model
+    args = (stack, x, cos, sin, cache.k, cache.v, slots, positions, stack.norm.weight, code_predictor.lm_head[0].weight)
+    assert cs.stamp_marks(stack.cfg.num_layers) == 2 * cf.steps(stack.cfg.num_layers)
+    for bad in (torch.zeros(1, cs.stamp_marks(stack.cfg.num_layers), 2, dtype=torch.int32),
+                torch.zeros(2, cs.stamp_marks(stack.cfg.num_layers), 2, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="stamps"):
+            cs.stream_forward(*args, programs=1, stamps=bad)
+
+
+def test_the_probes_timeline_reads_work_wait_spread_and_release_from_the_stamps():
+    """engine.tools.probe_cp_forward.timeline on stamps of a made-up forward (one layer, three programs whose clocks
+    run at different rates from different origins): each program works 1 + step + 0.5 * program us, the barrier
+    lets the first waiter through 0.25 us after the last arrival and program p 0.1 * p us after that."""
+    from engine.tools.probe_cp_forward import PHASE_NAMES, timeline
+
+    layers, programs = 1, 3
+    n_steps = cf.steps(layers)
+    rates = [1000.0, 1500.0, 2000.0]  # cycles a us
+    launches = []
+    for launch in range(2):  # the second 50 us later: the timeline is per launch
+        stamps = torch.zeros(programs, cs.stamp_marks(layers), 2, dtype=torch.int64)
+        start = [0.3 * p + 50.0 * launch for p in range(programs)]
+        for s in range(n_steps):
+            end = [start[p] + 1 + s + 0.5 * p for p in range(programs)]
+            for p in range(programs):
+                for mark, t in ((2 * s, start[p]), (2 * s + 1, end[p])):
+                    stamps[p, mark, 0] = round(t * 1000) + 7_000_000  # the timer in ns
+                    stamps[p, mark, 1] = round(123_456 * (p + 1) + t * rates[p])  # the clock in cycles
+            start = [max(end) + 0.25 + 0.1 * p for p in range(programs)]
+        launches.append(stamps.numpy())
+    import numpy as np
+
+    got = timeline(np.stack(launches), layers)
+    spreads = []  # by hand: each step's last arrival minus its first
+    start = [0.3 * p for p in range(programs)]
+    for s in range(n_steps):
+        end = [start[p] + 1 + s + 0.5 * p for p in range(programs)]
+        spreads.append(max(end) - min(end))
+        start = [max(end) + 0.25 + 0.1 * p for p in range(programs)]
+    values = sorted({int(v) for stamps in launches for v in stamps[:, :, 0].ravel()})
+    smallest_gap = min(b - a for a, b in zip(values, values[1:], strict=False)) / 1e3
+    assert got["launches"] == 2 and got["timer_step_us"] == pytest.approx(smallest_gap)
+    for s, name in enumerate((*PHASE_NAMES, "head")):
+        kind = got["kinds"][name]
+        assert abs(kind["work_us"] - (1.5 + s)) < 0.01 and abs(kind["work_slowest_us"] - (2 + s)) < 0.01, (name, kind)
+        assert abs(kind["spread_us"] - spreads[s]) < 0.01
+        if name == "head":
+            assert kind["wait_us"] == 0 and kind["release_us"] == 0
+        else:
+            assert abs(kind["release_us"] - 0.25) < 0.01
+    first_wait = got["kinds"]["qkv"]["wait_us"]  # median program (p = 1) of step 0
+    ends = [0.3 * p + 1 + 0.5 * p for p in range(programs)]
+    assert abs(first_wait - (max(ends) + 0.25 + 0.1 - ends[1])) < 0.01

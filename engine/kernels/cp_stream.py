@@ -32,7 +32,14 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from engine.kernels.cp_forward import SPIN_LIMIT, _attention_item, _multiprocessors, stacked_layers, steps
+from engine.kernels.cp_forward import (
+    SPIN_LIMIT,
+    _attention_item,
+    _multiprocessors,
+    counter_slots,
+    stacked_layers,
+    steps,
+)
 from engine.kernels.gdc import wait_inputs
 from engine.kernels.pdl import launch_options
 
@@ -48,16 +55,37 @@ def stream_warps() -> int:
     return int(value)
 
 
+def stamp_marks(layers: int) -> int:
+    """Marks a program stamps in one probed forward (_stamp): a start and an end per step."""
+    return 2 * steps(layers)
+
+
 # --------------------------------------------------------------------------------------------------- device parts
 @triton.jit
-def _arrive(counter_ptr):
+def _stamp(stamps_ptr, pid, mark, MARKS: tl.constexpr):
+    """Probes (MARKS > 0, stamp_marks(L)): the global timer (ns) and this multiprocessor's clock (cycles) at `mark`
+    of this program, into stamps_ptr [programs, MARKS, 2]. Mark 2s is step s's start (its barrier passed), 2s + 1
+    its end (its stores issued, before its arrival)."""
+    if MARKS > 0:
+        timer = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                          pack=1)
+        clock = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        at = stamps_ptr + (pid * MARKS + mark) * 2
+        tl.store(at, timer)
+        tl.store(at + 1, clock)
+
+
+@triton.jit
+def _arrive(counter_ptr, stamps_ptr, pid, mark, MARKS: tl.constexpr):
     """This program's step is done: its stores are visible to whoever acquires the counter after."""
     tl.debug_barrier()
+    _stamp(stamps_ptr, pid, mark, MARKS)
     tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
 
 
 @triton.jit
-def _wait(counter_ptr, target, timeouts_ptr, SPIN_LIMIT: tl.constexpr, ACQUIRE_POLL: tl.constexpr):
+def _wait(counter_ptr, target, timeouts_ptr, stamps_ptr, pid, mark, SPIN_LIMIT: tl.constexpr,
+          ACQUIRE_POLL: tl.constexpr, MARKS: tl.constexpr):
     """Until `target` programs have arrived: relaxed polls, then one acquire (an arrival is a read-modify-write, so
     reading the last one synchronises with every release before it); ACQUIRE_POLL: every poll an acquire (one L2
     round trip fewer after the last arrival, an L1 invalidation a poll). Past SPIN_LIMIT polls it counts a timeout
@@ -78,6 +106,7 @@ def _wait(counter_ptr, target, timeouts_ptr, SPIN_LIMIT: tl.constexpr, ACQUIRE_P
     if arrived < target:
         tl.atomic_add(timeouts_ptr, 1)
     tl.debug_barrier()
+    _stamp(stamps_ptr, pid, mark, MARKS)
 
 
 @triton.jit
@@ -179,7 +208,7 @@ def _swiglu(x_ptr, nw, w_gate, w_up, gu_ptr, act_ptr, pid, programs, eps, ROWS: 
 
 
 @triton.jit
-def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr,
+def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr, stamps_ptr,
                       w_in_ptr, w_qkv_ptr, w_qn_ptr, w_kn_ptr, w_o_ptr, w_post_ptr, w_gu_ptr, w_down_ptr,
                       w_final_ptr, w_head_ptr,
                       kc_ptr, vc_ptr, s_kl, s_cs, s_ch, s_cl, cos_ptr, sin_ptr, s_cb, s_ct, s_sb, s_st,
@@ -190,7 +219,9 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
                       CN_QKV: tl.constexpr, BN_QKV: tl.constexpr, CN_RES: tl.constexpr, BN_RES: tl.constexpr,
                       CN_UP: tl.constexpr, BN_UP: tl.constexpr, CN_HEAD: tl.constexpr, BN_HEAD: tl.constexpr,
                       BK_H: tl.constexpr, BK_O: tl.constexpr, BK_FF: tl.constexpr,
-                      SPIN_LIMIT: tl.constexpr, ACQUIRE_POLL: tl.constexpr, IEEE: tl.constexpr, GDC: tl.constexpr):
+                      SPIN_LIMIT: tl.constexpr, ACQUIRE_POLL: tl.constexpr, IEEE: tl.constexpr, GDC: tl.constexpr,
+                      MARKS: tl.constexpr = 0, LAYER_WEIGHTS: tl.constexpr = True):
+    """MARKS, LAYER_WEIGHTS: probes only (stream_forward's stamps, layer_weights)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
@@ -199,17 +230,20 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
     w_qkv = _weights(w_qkv_ptr, pid, NQKV, H, CN_QKV, BN_QKV, BK_H)  # constants: read before the inputs are ready
     nw_in = _norm_weight(w_in_ptr, H, BK_H)
     wait_inputs(GDC)
+    _stamp(stamps_ptr, pid, 0, MARKS)
     for layer in tl.static_range(L):
         residual = h_ptr
         if layer == 0:
             residual = x_ptr  # the stack's input is the first residual
+        at = layer if LAYER_WEIGHTS else 0  # the weights' layer (a probe reads layer 0's for every layer)
         bar = bar_ptr + 5 * layer
+        mark = 10 * layer  # step 5 * layer's start
         # qkv
-        _projection(residual, nw_in, w_qkv, w_qkv_ptr + layer * NQKV * H, qkv_ptr, pid, programs, eps,
+        _projection(residual, nw_in, w_qkv, w_qkv_ptr + at * NQKV * H, qkv_ptr, pid, programs, eps,
                     ROWS, NQKV, H, CN_QKV, BN_QKV, BK_H)
-        _arrive(bar)
-        w_o = _weights(w_o_ptr + layer * H * HO, pid, H, HO, CN_RES, BN_RES, BK_O)
-        _wait(bar, target, timeouts, SPIN_LIMIT, ACQUIRE_POLL)
+        _arrive(bar, stamps_ptr, pid, mark + 1, MARKS)
+        w_o = _weights(w_o_ptr + at * H * HO, pid, H, HO, CN_RES, BN_RES, BK_O)
+        _wait(bar, target, timeouts, stamps_ptr, pid, mark + 2, SPIN_LIMIT, ACQUIRE_POLL, MARKS)
         # attn
         item = pid
         while item < B * HKV:
@@ -218,34 +252,35 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
                             s_cs, s_ch, s_cl, slots_ptr, pos_ptr, s_pb, s_pt, eps, scale, HQ, HKV, D, BLOCK_QM,
                             BLOCK_T, BLOCK_C, IEEE)
             item += programs
-        _arrive(bar + 1)
-        gu = w_gu_ptr + layer * 2 * FF * H
+        _arrive(bar + 1, stamps_ptr, pid, mark + 3, MARKS)
+        gu = w_gu_ptr + at * 2 * FF * H
         w_gate = _weights(gu, pid, FF, H, CN_UP, BN_UP, BK_H)
         w_up = _weights(gu + FF * H, pid, FF, H, CN_UP, BN_UP, BK_H)
         nw_post = _norm_weight(w_post_ptr + layer * H, H, BK_H)
-        _wait(bar + 1, target, timeouts, SPIN_LIMIT, ACQUIRE_POLL)
+        _wait(bar + 1, target, timeouts, stamps_ptr, pid, mark + 4, SPIN_LIMIT, ACQUIRE_POLL, MARKS)
         # o
-        _residual(attn_ptr, w_o, w_o_ptr + layer * H * HO, residual, h_ptr, pid, programs, ROWS, H, HO, CN_RES, BN_RES,
+        _residual(attn_ptr, w_o, w_o_ptr + at * H * HO, residual, h_ptr, pid, programs, ROWS, H, HO, CN_RES, BN_RES,
                   BK_O)
-        _arrive(bar + 2)
-        _wait(bar + 2, target, timeouts, SPIN_LIMIT, ACQUIRE_POLL)
+        _arrive(bar + 2, stamps_ptr, pid, mark + 5, MARKS)
+        _wait(bar + 2, target, timeouts, stamps_ptr, pid, mark + 6, SPIN_LIMIT, ACQUIRE_POLL, MARKS)
         # up
         _swiglu(h_ptr, nw_post, w_gate, w_up, gu, act_ptr, pid, programs, eps, ROWS, FF, H, CN_UP, BN_UP,
                 BK_H)
-        _arrive(bar + 3)
-        w_down = _weights(w_down_ptr + layer * H * FF, pid, H, FF, CN_RES, BN_RES, BK_FF)
-        _wait(bar + 3, target, timeouts, SPIN_LIMIT, ACQUIRE_POLL)
+        _arrive(bar + 3, stamps_ptr, pid, mark + 7, MARKS)
+        w_down = _weights(w_down_ptr + at * H * FF, pid, H, FF, CN_RES, BN_RES, BK_FF)
+        _wait(bar + 3, target, timeouts, stamps_ptr, pid, mark + 8, SPIN_LIMIT, ACQUIRE_POLL, MARKS)
         # down
-        _residual(act_ptr, w_down, w_down_ptr + layer * H * FF, h_ptr, h_ptr, pid, programs, ROWS, H, FF, CN_RES,
+        _residual(act_ptr, w_down, w_down_ptr + at * H * FF, h_ptr, h_ptr, pid, programs, ROWS, H, FF, CN_RES,
                   BN_RES, BK_FF)
-        _arrive(bar + 4)
+        _arrive(bar + 4, stamps_ptr, pid, mark + 9, MARKS)
         if layer + 1 < L:
-            w_qkv = _weights(w_qkv_ptr + (layer + 1) * NQKV * H, pid, NQKV, H, CN_QKV, BN_QKV, BK_H)
+            w_qkv = _weights(w_qkv_ptr + (at + 1 if LAYER_WEIGHTS else 0) * NQKV * H, pid, NQKV, H, CN_QKV, BN_QKV,
+                             BK_H)
             nw_in = _norm_weight(w_in_ptr + (layer + 1) * H, H, BK_H)
         else:
             w_head = _weights(w_head_ptr, pid, V, H, CN_HEAD, BN_HEAD, BK_H)
             nw_final = _norm_weight(w_final_ptr, H, BK_H)
-        _wait(bar + 4, target, timeouts, SPIN_LIMIT, ACQUIRE_POLL)
+        _wait(bar + 4, target, timeouts, stamps_ptr, pid, mark + 10, SPIN_LIMIT, ACQUIRE_POLL, MARKS)
     # the head, on each batch row's last token
     tile = pid
     while tile < (V + CN_HEAD - 1) // CN_HEAD:
@@ -256,6 +291,8 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
             b += 1
         tile += programs
         w_head = _weights(w_head_ptr, tile, V, H, CN_HEAD, BN_HEAD, BK_H)
+    tl.debug_barrier()
+    _stamp(stamps_ptr, pid, 10 * L + 1, MARKS)
 
 
 # --------------------------------------------------------------------------------------------------- launch
@@ -267,10 +304,14 @@ _TEST_COLUMNS: dict[str, int] | None = None
 def stream_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor, k_cache: Tensor, v_cache: Tensor,
                    slots: Tensor, positions: Tensor, final_norm: Tensor, head: Tensor, counters: Tensor | None = None,
                    programs: int | None = None, barrier_target: int | None = None,
-                   spin_limit: int = SPIN_LIMIT, acquire_poll: bool = False) -> Tensor:
+                   spin_limit: int = SPIN_LIMIT, acquire_poll: bool = False, stamps: Tensor | None = None,
+                   layer_weights: bool = True) -> Tensor:
     """One forward of the decoder stack and its head, as cp_forward (same arguments; counters: one row of
-    cp_forward.barrier_counters, None: allocated here): the logits [B, V] of each row's last token. acquire_poll
-    (probes): every barrier poll an acquire (_wait)."""
+    cp_forward.barrier_counters, None: allocated here): the logits [B, V] of each row's last token. Probes only:
+    acquire_poll, every barrier poll an acquire (_wait); stamps, an int64 [programs, stamp_marks(L), 2] that gets
+    each program's timer and clock at each step's start and end (_stamp; GPU only: the interpreter has no inline
+    assembly); layer_weights False, every layer multiplies by layer 0's weights (wrong logits; its timing says what
+    the forward costs with weights that stay in L2)."""
     weights = stacked_layers(stack)
     cfg = stack.cfg
     B, T, H = x.shape
@@ -296,9 +337,12 @@ def stream_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor,
     act = torch.empty(M, FF, device=dev, dtype=dtype)
     out = torch.empty(B, V, device=dev, dtype=dtype)
     if counters is None:
-        counters = torch.zeros(steps(L) + 1, device=dev, dtype=torch.int32)
+        counters = torch.zeros(counter_slots(L), device=dev, dtype=torch.int32)
+    if stamps is not None and (stamps.shape != (programs, stamp_marks(L), 2) or stamps.dtype != torch.int64):
+        raise ValueError(f"stream_forward: stamps {tuple(stamps.shape)} {stamps.dtype}, not int64 "
+                         f"{(programs, stamp_marks(L), 2)}")
     _cp_stream_kernel[(programs,)](
-        x, h, qkv, attn, act, out, counters,
+        x, h, qkv, attn, act, out, counters, counters if stamps is None else stamps,
         weights.input_norm, weights.qkv, weights.q_norm, weights.k_norm, weights.o, weights.post_norm,
         weights.gate_up, weights.down, final_norm, head,
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
@@ -314,5 +358,6 @@ def stream_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor,
         CN_HEAD=per["head"], BN_HEAD=triton.next_power_of_2(per["head"]),
         BK_H=triton.next_power_of_2(H), BK_O=triton.next_power_of_2(HQ * D), BK_FF=triton.next_power_of_2(FF),
         SPIN_LIMIT=spin_limit, ACQUIRE_POLL=acquire_poll, IEEE=dtype == torch.float32, num_warps=stream_warps(),
-        num_stages=1, **launch_options(dev))
+        MARKS=0 if stamps is None else stamp_marks(L), LAYER_WEIGHTS=layer_weights, num_stages=1,
+        **launch_options(dev))
     return out
