@@ -50,8 +50,11 @@ def test_streamed_forward_matches_the_model(models, dtype, B, T, start, monkeypa
     code_predictor = models[dtype]
     want = _run(code_predictor, "reference", B, T, start, dtype)
     tol = {torch.float32: 2e-5, torch.float16: 3e-3}[dtype]
-    for columns in (None, SEVERAL_TILES):
+    # one tile a step or several a program (the GPU's straight path, the interpreter's loop); K in one chunk, or in
+    # chunks of 32 (the down projection's 96 columns in two parts of 64 and 32, cs.chunks)
+    for columns, chunk in ((None, None), (SEVERAL_TILES, None), (None, 32), (SEVERAL_TILES, 32)):
         monkeypatch.setattr(cs, "_TEST_COLUMNS", columns)
+        monkeypatch.setattr(cs, "_TEST_CHUNK", chunk)
         got = _run(code_predictor, "streamed", B, T, start, dtype)
         assert got[0].shape == (B, code_predictor.cfg.vocab_size) and got[0].dtype == dtype
         for ours, theirs in zip(got, want, strict=True):
@@ -187,3 +190,10 @@ def test_the_probes_timeline_reads_work_wait_spread_and_release_from_the_stamps(
     first_wait = got["kinds"]["qkv"]["wait_us"]  # median program (p = 1) of step 0
     ends = [0.3 * p + 1 + 0.5 * p for p in range(programs)]
     assert abs(first_wait - (max(ends) + 0.25 + 0.1 - ends[1])) < 0.01
+
+
+def test_k_comes_in_at_most_two_parts_of_a_power_of_two_chunks():
+    assert cs.chunks(1024, 256) == (4, 0) and cs.chunks(2048, 256) == (8, 0)
+    assert cs.chunks(3072, 256) == (8, 4)  # the real down projection: 12 chunks
+    assert cs.chunks(96, 32) == (2, 1) and cs.chunks(48, 64) == (1, 0)
+    assert cs.chunks(5 * 32, 32) == (4, 1) and cs.chunks(7 * 32, 32) == (4, 4)  # the rest rounded up, masked
