@@ -164,7 +164,7 @@ def compile_cp_forward(dtype: str) -> None:
 
 
 def compile_cp_stream(dtype: str) -> None:
-    """The streamed forward at the real model's shapes over 132 programs and 16 warps (stream_forward's launch), at
+    """The streamed forward at the real model's shapes over 132 programs and 8 warps (stream_forward's launch), at
     B1 (one row) and its first forward (two rows). Each barrier is a release arrival, relaxed polls and one acquire;
     between an arrival and its acquire the program reads the next weighted step's weights (attention's barrier:
     gate's, o's: up's), the reads ahead that the design is for, kept by the compiler; the activations are read
@@ -172,7 +172,7 @@ def compile_cp_stream(dtype: str) -> None:
     from engine.kernels import cp_stream
 
     cdiv = lambda n, d: -(-n // d)  # noqa: E731
-    warps, chunk = 16, 256 if dtype == "bf16" else 128
+    warps, chunk = 8, 256 if dtype == "bf16" else 128
     per = {"QKV": cdiv(4096, 132), "RES": cdiv(1024, 132), "UP": cdiv(3072, 132), "HEAD": cdiv(2048, 132)}
     geometry = {"L": 5, "H": 1024, "HQ": 16, "HKV": 8, "D": 128, "FF": 3072, "V": 2048, "BLOCK_QM": 16, "BLOCK_T": 2,
                 "BLOCK_C": 16, "SPIN_LIMIT": 1 << 16, "IEEE": dtype == "fp32", "MARKS": 0, "LAYER_WEIGHTS": True,

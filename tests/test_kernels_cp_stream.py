@@ -103,9 +103,9 @@ def test_more_rows_than_it_takes_run_layer_by_layer_and_say_so(code_predictor, m
 
 
 def test_warps_switch(monkeypatch):
-    assert cs.stream_warps() == cs.DEFAULT_WARPS == 16
-    monkeypatch.setenv(cs.WARPS_ENV, "8")
-    assert cs.stream_warps() == 8 and kernels.kernels_status()["cp_forward"]["stream_warps"] == 8
+    assert cs.stream_warps() == cs.DEFAULT_WARPS == 8
+    monkeypatch.setenv(cs.WARPS_ENV, "16")
+    assert cs.stream_warps() == 16 and kernels.kernels_status()["cp_forward"]["stream_warps"] == 16
     monkeypatch.setenv(cs.WARPS_ENV, "12")
     with pytest.raises(ValueError, match="4, 8, 16 or 32"):
         cs.stream_warps()

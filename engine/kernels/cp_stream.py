@@ -22,9 +22,10 @@ only after its barrier, so every step paid an HBM round trip and a filling pipel
 
 Rounding follows engine/model/layers.py op by op as cp_forward does; the sums run in another order, so the result
 equals the model's path within the dtype's tolerance, not bit for bit. A program holds at most about 96 KB of
-weights (gate and up at 132 programs, as two halves of a warp's row each: _swiglu): 16 warps, 128 registers a
-thread, about 0.6 KB of it spilled (ptxas -v of the sm_90 build; with the warps across K it was 0.5 KB, with a
-tile loop on the GPU too 2.4 KB: hence ONE_TILE).
+weights (gate and up at 132 programs, as two halves of a warp's row each: _swiglu). 8 warps (DEFAULT_WARPS): 255
+registers a thread and about 0.1 KB spilled (ptxas -v of the sm_90 build); 16 warps fit 128 registers with 0.6 KB
+spilled and repeat each row's RMSNorm in twice as many warps: 173.8 against 161.2 us a B1 forward on an H100
+(docs/PERFORMANCE.md, twenty-first session). A tile loop on the GPU spilled 2.4 KB: hence ONE_TILE.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from engine.kernels.pdl import launch_options
 
 STREAM_ROWS = 4  # rows (batch x tokens) of one launch: each row is a dot product per column on the CUDA cores
 WARPS_ENV = "VOICELANE_CP_STREAM_WARPS"
-DEFAULT_WARPS = 16
+DEFAULT_WARPS = 8  # measured against 16 and 32 (above)
 
 
 def stream_warps() -> int:
