@@ -174,17 +174,17 @@ def compile_cp_stream(dtype: str) -> None:
     cdiv = lambda n, d: -(-n // d)  # noqa: E731
     warps, chunk = 8, 256 if dtype == "bf16" else 128
     per = {"QKV": cdiv(4096, 132), "RES": cdiv(1024, 132), "UP": cdiv(3072, 132), "HEAD": cdiv(2048, 132)}
-    geometry = {"L": 5, "H": 1024, "HQ": 16, "HKV": 8, "D": 128, "FF": 3072, "V": 2048, "BLOCK_T": 2,
+    geometry = {"L": 5, "H": 1024, "HQ": 16, "HKV": 8, "D": 128, "FF": 3072, "V": 2048, "BLOCK_QM": 16, "BLOCK_T": 2,
                 "BLOCK_C": 16, "SPIN_LIMIT": 1 << 16, "IEEE": dtype == "fp32", "MARKS": 0, "LAYER_WEIGHTS": True,
-                "KC": chunk, "C_H": 1024 // chunk, "ONE_TILE": True, "ONE_ITEM": True}
+                "KC": chunk, "C_H": 1024 // chunk, "ONE_TILE": True}
     geometry |= {f"CN_{k}": v for k, v in per.items()}
     geometry |= {f"BN_{k}": max(warps * (2 if k == "UP" else 1), triton.next_power_of_2(v)) for k, v in per.items()}
     (geometry["CA_O"], geometry["CB_O"]), (geometry["CA_FF"], geometry["CB_FF"]) = (
         cp_stream.chunks(2048, chunk), cp_stream.chunks(3072, chunk))
     pointers = {"bar_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64", "stamps_ptr": "*i64"}
     for rows in (1, 2) if dtype == "bf16" else (1,):  # B1's forwards after the first, and the first (two tokens)
-        ptx = _compile(cp_stream._cp_stream_kernel, dtype, geometry | {"ROWS": rows, "ACQUIRE_POLL": False,
-                       "BLOCK_G": 2 * rows}, pointers, aligned=True, warps=warps)  # T = rows, 2 query heads a kv head
+        ptx = _compile(cp_stream._cp_stream_kernel, dtype, geometry | {"ROWS": rows, "ACQUIRE_POLL": False}, pointers,
+                       aligned=True, warps=warps)
         arrivals = ptx.split("atom.global.gpu.release.add")[1:]
         assert len(arrivals) == 25  # one a barrier
         ahead = []
@@ -196,8 +196,8 @@ def compile_cp_stream(dtype: str) -> None:
     # the probe's stamps (engine.tools.probe_cp_forward --stamps): a timer and a clock read at each mark, none without
     assert "%globaltimer" not in ptx and "%clock64" not in ptx
     marks = cp_stream.stamp_marks(5)
-    probed = geometry | {"ROWS": 1, "ACQUIRE_POLL": False, "MARKS": marks, "GDC": 1, "BLOCK_G": 2}
-    ptx = _compile(cp_stream._cp_stream_kernel, dtype, probed, pointers, aligned=True, warps=warps)
+    ptx = _compile(cp_stream._cp_stream_kernel, dtype, geometry | {"ROWS": 1, "ACQUIRE_POLL": False, "MARKS": marks,
+                                                                   "GDC": 1}, pointers, aligned=True, warps=warps)
     assert ptx.count("%globaltimer") == ptx.count("%clock64") == marks
 
 

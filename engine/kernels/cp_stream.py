@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from engine.kernels.attention import _norm_rope_rows
 from engine.kernels.cp_forward import (
     SPIN_LIMIT,
+    _attention_item,
     _multiprocessors,
     counter_slots,
     stacked_layers,
@@ -277,105 +277,14 @@ def _head_tile(h_ptr, norm_ptr, w, out_ptr, tile, B, T, eps, H: tl.constexpr, V:
 
 
 @triton.jit
-def _attention_ahead(item, B, T, w_qn_ptr, w_kn_ptr, cos_ptr, sin_ptr, s_cb, s_ct, s_sb, s_st, kc_ptr, vc_ptr,
-                     s_cs, s_ch, s_cl, slots_ptr, pos_ptr, s_pb, s_pt, HQ: tl.constexpr, HKV: tl.constexpr,
-                     D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """What attention item `item` (batch row item // HKV, kv head item % HKV) reads that no step of this forward
-    writes: its tokens' positions, the RoPE rows of its keys [BLOCK_T, D] and of its query rows t * G + g
-    [BLOCK_G, D], the q/k norms' weights, and its cache row's columns before its first token (the forwards before
-    wrote them; this one writes the columns from there on). Read between an arrival and its wait, like the weights;
-    an item past the last (item >= B * HKV) reads nothing."""
-    G: tl.constexpr = HQ // HKV
-    valid = item < B * HKV
-    b = tl.where(valid, item // HKV, 0)
-    kvh = item % HKV
-    d = tl.arange(0, D)
-    rolled = (d + D // 2) % D
-    tt = tl.arange(0, BLOCK_T)
-    t_ok = (tt < T) & valid
-    rows = tl.arange(0, BLOCK_G)
-    row_ok = (rows < T * G) & valid
-    t = rows // G
-    first = tl.load(pos_ptr + b * s_pb, mask=valid, other=0).to(tl.int32)  # the tokens' positions run on from it
-    base = tl.load(slots_ptr + b, mask=valid, other=0) * s_cs + kvh * s_ch
-    k_cos = tl.load(cos_ptr + b * s_cb + tt[:, None] * s_ct + d[None, :], mask=t_ok[:, None], other=0.0)
-    k_sin = tl.load(sin_ptr + b * s_sb + tt[:, None] * s_st + d[None, :], mask=t_ok[:, None], other=0.0)
-    q_cos = tl.load(cos_ptr + b * s_cb + t[:, None] * s_ct + d[None, :], mask=row_ok[:, None], other=0.0)
-    q_sin = tl.load(sin_ptr + b * s_sb + t[:, None] * s_st + d[None, :], mask=row_ok[:, None], other=0.0)
-    qn, qn_rolled = tl.load(w_qn_ptr + d), tl.load(w_qn_ptr + rolled)
-    kn, kn_rolled = tl.load(w_kn_ptr + d), tl.load(w_kn_ptr + rolled)
-    c = tl.arange(0, BLOCK_C)
-    at = base + c[:, None] * s_cl + d[None, :]
-    old = (c < first) & valid
-    keys = tl.load(kc_ptr + at, mask=old[:, None], other=0.0)
-    values = tl.load(vc_ptr + at, mask=old[:, None], other=0.0)
-    return first, base, k_cos, k_sin, q_cos, q_sin, qn, qn_rolled, kn, kn_rolled, keys, values
-
-
-@triton.jit
-def _attention_now(item, T, qkv_ptr, attn_ptr, first, base, k_cos, k_sin, q_cos, q_sin, qn, qn_rolled, kn, kn_rolled,
-                   old_keys, old_values, kc_ptr, vc_ptr, s_cl, eps, scale, HQ: tl.constexpr, HKV: tl.constexpr,
-                   D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Attention item `item` after q/k/v's barrier, with what _attention_ahead read: its tokens' keys (normed,
-    rotated) and values into the cache at columns first + t, and its G query heads' T rows over the cache columns
-    before `first` (from _attention_ahead) and this forward's tokens up to their own (from registers: no store and
-    read back of the cache), one softmax over both; the output rows into attn. Rounded as engine.kernels.attention's
-    short attention: fp32 scores and softmax, probabilities rounded to the cache's dtype before they weigh the
-    values (the sums run in another order). The products run on the CUDA cores: at most 4 rows of 16 columns."""
-    G: tl.constexpr = HQ // HKV
-    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
-    b = item // HKV
-    kvh = item % HKV
-    d = tl.arange(0, D)
-    rolled = (d + D // 2) % D
-    tt = tl.arange(0, BLOCK_T)
-    t_ok = tt < T
-    k_src = qkv_ptr + (b * T + tt)[:, None] * NQKV + (HQ + kvh) * D
-    keys = _norm_rope_rows(tl.load(k_src + d[None, :], mask=t_ok[:, None], other=0.0),  # [BLOCK_T, D]
-                           tl.load(k_src + rolled[None, :], mask=t_ok[:, None], other=0.0),
-                           kn.to(tl.float32)[None, :], kn_rolled.to(tl.float32)[None, :], k_cos.to(tl.float32),
-                           k_sin.to(tl.float32), eps, D)
-    values = tl.load(qkv_ptr + (b * T + tt)[:, None] * NQKV + (HQ + HKV + kvh) * D + d[None, :], mask=t_ok[:, None],
-                     other=0.0)
-    at = base + (first + tt)[:, None] * s_cl + d[None, :]
-    tl.store(kc_ptr + at, keys, mask=t_ok[:, None])
-    tl.store(vc_ptr + at, values, mask=t_ok[:, None])
-    rows = tl.arange(0, BLOCK_G)  # query rows t * G + g of this kv head
-    row_ok = rows < T * G
-    t = rows // G
-    q_src = qkv_ptr + (b * T + t)[:, None] * NQKV + (kvh * G + rows % G)[:, None] * D
-    q = _norm_rope_rows(tl.load(q_src + d[None, :], mask=row_ok[:, None], other=0.0),
-                        tl.load(q_src + rolled[None, :], mask=row_ok[:, None], other=0.0),
-                        qn.to(tl.float32)[None, :], qn_rolled.to(tl.float32)[None, :], q_cos.to(tl.float32),
-                        q_sin.to(tl.float32), eps, D).to(tl.float32)[:, None, :]
-    c = tl.arange(0, BLOCK_C)
-    # scores of the earlier columns [BLOCK_G, BLOCK_C] and of this forward's tokens [BLOCK_G, BLOCK_T] (token t2
-    # is seen by row t if t2 <= t)
-    s_old = tl.where((c < first)[None, :] & row_ok[:, None],
-                     tl.sum(q * old_keys.to(tl.float32)[None, :, :], axis=2) * scale, float("-inf"))
-    s_new = tl.where((tt[None, :] <= t[:, None]) & t_ok[None, :] & row_ok[:, None],
-                     tl.sum(q * keys.to(tl.float32)[None, :, :], axis=2) * scale, float("-inf"))
-    top = tl.maximum(tl.max(s_old, axis=1), tl.max(s_new, axis=1))
-    top = tl.where(top == float("-inf"), 0.0, top)  # rows with nothing to read (padding) stay at 0
-    p_old = tl.exp(s_old - top[:, None])
-    p_new = tl.exp(s_new - top[:, None])
-    total = tl.sum(p_old, axis=1) + tl.sum(p_new, axis=1)
-    out = tl.sum(p_old.to(values.dtype).to(tl.float32)[:, :, None] * old_values.to(tl.float32)[None, :, :], axis=1)
-    out += tl.sum(p_new.to(values.dtype).to(tl.float32)[:, :, None] * values.to(tl.float32)[None, :, :], axis=1)
-    out = out / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(attn_ptr + (b * T + t)[:, None] * (HQ * D) + (kvh * G + rows % G)[:, None] * D + d[None, :],
-             out.to(attn_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
 def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr, stamps_ptr,
                       w_in_ptr, w_qkv_ptr, w_qn_ptr, w_kn_ptr, w_o_ptr, w_post_ptr, w_gu_ptr, w_down_ptr,
                       w_final_ptr, w_head_ptr,
                       kc_ptr, vc_ptr, s_kl, s_cs, s_ch, s_cl, cos_ptr, sin_ptr, s_cb, s_ct, s_sb, s_st,
                       slots_ptr, pos_ptr, s_pb, s_pt, B, T, target, eps, scale,
                       L: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                      FF: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, ONE_ITEM: tl.constexpr,
+                      FF: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BLOCK_QM: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
                       CN_QKV: tl.constexpr, BN_QKV: tl.constexpr, CN_RES: tl.constexpr, BN_RES: tl.constexpr,
                       CN_UP: tl.constexpr, BN_UP: tl.constexpr, CN_HEAD: tl.constexpr, BN_HEAD: tl.constexpr,
                       KC: tl.constexpr, C_H: tl.constexpr, CA_O: tl.constexpr, CB_O: tl.constexpr,
@@ -411,26 +320,15 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
         w_ob = w_oa
         if CB_O > 0:
             w_ob = _tile(o, pid, H, HO, CN_RES, BN_RES, CA_O * KC, CB_O, KC)
-        kc, vc = kc_ptr + layer * s_kl, vc_ptr + layer * s_kl
-        if ONE_ITEM:  # this program's attention item (if any), its constant inputs read ahead too
-            first, base, kcos, ksin, qcos, qsin, qn, qnr, kn, knr, ck, cv = _attention_ahead(
-                pid, B, T, w_qn_ptr + layer * D, w_kn_ptr + layer * D, cos_ptr, sin_ptr, s_cb, s_ct, s_sb, s_st, kc,
-                vc, s_cs, s_ch, s_cl, slots_ptr, pos_ptr, s_pb, s_pt, HQ, HKV, D, BLOCK_G, BLOCK_T, BLOCK_C)
         _wait(bar, target, timeouts, stamps_ptr, pid, mark + 2, SPIN_LIMIT, ACQUIRE_POLL, MARKS)
         # attn
-        if ONE_ITEM:
-            if pid < B * HKV:
-                _attention_now(pid, T, qkv_ptr, attn_ptr, first, base, kcos, ksin, qcos, qsin, qn, qnr, kn, knr, ck,
-                               cv, kc, vc, s_cl, eps, scale, HQ, HKV, D, BLOCK_G, BLOCK_T, BLOCK_C)
-        else:  # the interpreter's single program: item by item
-            item = pid
-            while item < B * HKV:
-                first, base, kcos, ksin, qcos, qsin, qn, qnr, kn, knr, ck, cv = _attention_ahead(
-                    item, B, T, w_qn_ptr + layer * D, w_kn_ptr + layer * D, cos_ptr, sin_ptr, s_cb, s_ct, s_sb, s_st,
-                    kc, vc, s_cs, s_ch, s_cl, slots_ptr, pos_ptr, s_pb, s_pt, HQ, HKV, D, BLOCK_G, BLOCK_T, BLOCK_C)
-                _attention_now(item, T, qkv_ptr, attn_ptr, first, base, kcos, ksin, qcos, qsin, qn, qnr, kn, knr, ck,
-                               cv, kc, vc, s_cl, eps, scale, HQ, HKV, D, BLOCK_G, BLOCK_T, BLOCK_C)
-                item += programs
+        item = pid
+        while item < B * HKV:
+            _attention_item(item // HKV, item % HKV, T, qkv_ptr, attn_ptr, w_qn_ptr + layer * D, w_kn_ptr + layer * D,
+                            cos_ptr, sin_ptr, s_cb, s_ct, s_sb, s_st, kc_ptr + layer * s_kl, vc_ptr + layer * s_kl,
+                            s_cs, s_ch, s_cl, slots_ptr, pos_ptr, s_pb, s_pt, eps, scale, HQ, HKV, D, BLOCK_QM,
+                            BLOCK_T, BLOCK_C, IEEE)
+            item += programs
         _arrive(bar + 1, stamps_ptr, pid, mark + 3, MARKS)
         g0 = _tile(gu, pid, FF, H, CN_UP, BN_UP // 2, 0, C_H, KC, 0)
         g1 = _tile(gu, pid, FF, H, CN_UP, BN_UP // 2, 0, C_H, KC, BN_UP // 2)
@@ -545,8 +443,7 @@ def stream_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor,
         slots, positions, positions.stride(0), positions.stride(1), B, T,
         programs if barrier_target is None else barrier_target, stack.norm.eps, D**-0.5,
         L=L, H=H, HQ=HQ, HKV=HKV, D=D, FF=FF, V=V, ROWS=M,
-        BLOCK_G=triton.next_power_of_2(T * HQ // HKV), BLOCK_T=max(2, triton.next_power_of_2(T)),
-        ONE_ITEM=B * HKV <= programs,
+        BLOCK_QM=max(16, triton.next_power_of_2(T * HQ // HKV)), BLOCK_T=max(2, triton.next_power_of_2(T)),
         BLOCK_C=max(16, triton.next_power_of_2(C)),
         CN_QKV=per["qkv"], BN_QKV=rows["qkv"], CN_RES=per["residual"], BN_RES=rows["residual"],
         CN_UP=per["up"], BN_UP=rows["up"], CN_HEAD=per["head"], BN_HEAD=rows["head"],
