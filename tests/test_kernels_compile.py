@@ -176,7 +176,7 @@ def compile_cp_stream(dtype: str) -> None:
     per = {"QKV": cdiv(4096, 132), "RES": cdiv(1024, 132), "UP": cdiv(3072, 132), "HEAD": cdiv(2048, 132)}
     geometry = {"L": 5, "H": 1024, "HQ": 16, "HKV": 8, "D": 128, "FF": 3072, "V": 2048, "BLOCK_QM": 16, "BLOCK_T": 2,
                 "BLOCK_C": 16, "SPIN_LIMIT": 1 << 16, "IEEE": dtype == "fp32", "MARKS": 0, "LAYER_WEIGHTS": True,
-                "KC": chunk, "C_H": 1024 // chunk, "ONE_TILE": True}
+                "KC": chunk, "C_H": 1024 // chunk, "ONE_TILE": True, "PREFETCH": True}
     geometry |= {f"CN_{k}": v for k, v in per.items()}
     geometry |= {f"BN_{k}": max(warps * (2 if k == "UP" else 1), triton.next_power_of_2(v)) for k, v in per.items()}
     (geometry["CA_O"], geometry["CB_O"]), (geometry["CA_FF"], geometry["CB_FF"]) = (
@@ -193,12 +193,16 @@ def compile_cp_stream(dtype: str) -> None:
             assert acquired and "ld.global.gpu.relaxed" in waiting
             ahead.append(sum("ld.global" in line and ".v4" in line for line in waiting.splitlines()))
         assert all(n > 0 for n in ahead), ahead
+        # L2 hints for the weighted step after each read ahead: at the kernel's start and at each of the 25 barriers
+        # but the last (the head's tile is the last read)
+        hinted = [text.partition("ld.global.gpu.acquire")[0].count("prefetch.global.L2") > 0 for text in arrivals]
+        assert hinted == [True] * 24 + [False] and "prefetch.global.L2" in ptx.split("atom.global.gpu.release")[0]
     # the probe's stamps (engine.tools.probe_cp_forward --stamps): a timer and a clock read at each mark, none without
     assert "%globaltimer" not in ptx and "%clock64" not in ptx
     marks = cp_stream.stamp_marks(5)
-    ptx = _compile(cp_stream._cp_stream_kernel, dtype, geometry | {"ROWS": 1, "ACQUIRE_POLL": False, "MARKS": marks,
-                                                                   "GDC": 1}, pointers, aligned=True, warps=warps)
-    assert ptx.count("%globaltimer") == ptx.count("%clock64") == marks
+    probed = geometry | {"ROWS": 1, "ACQUIRE_POLL": False, "MARKS": marks, "GDC": 1, "PREFETCH": False}
+    ptx = _compile(cp_stream._cp_stream_kernel, dtype, probed, pointers, aligned=True, warps=warps)
+    assert ptx.count("%globaltimer") == ptx.count("%clock64") == marks and "prefetch" not in ptx
 
 
 def _in_fresh_python(what: str, dtype: str) -> None:

@@ -223,10 +223,10 @@ def test_the_probe_tool_measures_every_step_and_shape_on_the_cpu(capsys):
     assert list(row["shapes"]) == ["default", "split=4/k=32", "warps=2/k=16"]
     assert "do not tile" in row["shapes"]["split=4/k=32"]["error"] and "ms" in row["shapes"]["warps=2/k=16"]
     assert len(row["prefix_ms"]) == steps and len(row["phased_step_ms"]) == steps
-    # shapes, cuts, steps alone, barriers alone, then (2 rows fit the streamed forward) streamed with both polls, 8
-    # and 32 warps, on layer 0's weights, and layer by layer
+    # shapes, cuts, steps alone, barriers alone, then (2 rows fit the streamed forward) streamed with both polls, 16
+    # warps, without L2 hints, on layer 0's weights, and layer by layer
     assert len(calls) == 2 + 2 * steps + 1 + 6 and row["barrier_timeouts"] == 0 and row["stream_timeouts"] == 0
-    streamed = ("streamed_ms", "streamed_acquire_poll_ms", "streamed_warps8_ms", "streamed_warps32_ms",
+    streamed = ("streamed_ms", "streamed_acquire_poll_ms", "streamed_warps16_ms", "streamed_no_prefetch_ms",
                 "streamed_l2_weights_ms", "layers_ms")
     assert [row[k] for k in streamed] == sorted(row[k] for k in streamed)  # the bench's order
     assert 0 < row["stream_vs_layers"] < 1e-5  # fp32: the two paths' sums in another order
@@ -234,7 +234,7 @@ def test_the_probe_tool_measures_every_step_and_shape_on_the_cpu(capsys):
     out = capsys.readouterr().out
     assert "head" in out and "L0 qkv" in out and "barriers alone" in out and "do not tile" in out
     assert "streamed forward" in out
-    assert "8 warps" in out and "layer 0's weights" in out
+    assert "16 warps" in out and "without L2 hints" in out and "layer 0's weights" in out
     calls.clear()
     streamed_only = probe.probe(loaded, [1], ["default"], device="cpu", bench=bench, persistent=False)["batches"]["1"]
     assert len(calls) == 6 and streamed_only["shapes"] == {} and "barriers_only_ms" not in streamed_only

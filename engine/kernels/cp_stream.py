@@ -45,7 +45,7 @@ from engine.kernels.cp_forward import (
     stacked_layers,
     steps,
 )
-from engine.kernels.gdc import wait_inputs
+from engine.kernels.gdc import prefetch_l2, wait_inputs
 from engine.kernels.pdl import launch_options
 
 STREAM_ROWS = 4  # rows (batch x tokens) of one launch: each row is a dot product per column on the CUDA cores
@@ -125,6 +125,21 @@ def _tile(w_ptr, tile, N: tl.constexpr, K: tl.constexpr, CN: tl.constexpr, BN: t
     n = tile * CN + r
     k = K0 + tl.arange(0, C)[None, :, None] * KC + tl.arange(0, KC)[None, None, :]
     return tl.load(w_ptr + n.to(tl.int64) * K + k, mask=(r < CN) & (n < N) & (k < K), other=0.0)
+
+
+@triton.jit
+def _prefetch(w_ptr, tile, N: tl.constexpr, K: tl.constexpr, CN: tl.constexpr, BN: tl.constexpr,
+              PREFETCH: tl.constexpr):
+    """PREFETCH: bring this program's tile of w [N, K] (rows tile * CN .., all of K) into L2, one hint a 128-byte
+    line, no registers: the weighted step after the one whose tile is read into registers at the same barrier, so
+    that read finds its tile in L2 (the probe's weights-in-L2 forward is the bound). A hint past the tile's last row
+    points at the tile's first (no address outside w)."""
+    if PREFETCH:
+        LINE: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth * 8
+        r = tl.arange(0, BN)[:, None]
+        n = tl.where((r < CN) & (tile * CN + r < N), tile * CN + r, tile * CN)
+        k = tl.arange(0, triton.next_power_of_2((K + LINE - 1) // LINE))[None, :] * LINE
+        prefetch_l2(w_ptr + n.to(tl.int64) * K + tl.minimum(k, K - 1))
 
 
 @triton.jit
@@ -290,7 +305,7 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
                       KC: tl.constexpr, C_H: tl.constexpr, CA_O: tl.constexpr, CB_O: tl.constexpr,
                       CA_FF: tl.constexpr, CB_FF: tl.constexpr, ONE_TILE: tl.constexpr,
                       SPIN_LIMIT: tl.constexpr, ACQUIRE_POLL: tl.constexpr, IEEE: tl.constexpr, GDC: tl.constexpr,
-                      MARKS: tl.constexpr = 0, LAYER_WEIGHTS: tl.constexpr = True):
+                      MARKS: tl.constexpr = 0, LAYER_WEIGHTS: tl.constexpr = True, PREFETCH: tl.constexpr = False):
     """KC: columns of K a chunk; C_H: chunks of H (the normed inputs, one part); CA_O + CB_O and CA_FF + CB_FF: the
     o and down projections' K in two parts (_residual). MARKS, LAYER_WEIGHTS: probes only (stream_forward's stamps,
     layer_weights)."""
@@ -300,6 +315,7 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
     HO: tl.constexpr = HQ * D  # the o projection's K
     timeouts = bar_ptr + 5 * L + 1  # cp_forward.counter_slots' layout: a counter per step, then the timeouts
     w_qkv = _tile(w_qkv_ptr, pid, NQKV, H, CN_QKV, BN_QKV, 0, C_H, KC)  # constants: read before the inputs are ready
+    _prefetch(w_o_ptr, pid, H, HO, CN_RES, BN_RES, PREFETCH)
     wait_inputs(GDC)
     _stamp(stamps_ptr, pid, 0, MARKS)
     for layer in tl.static_range(L):
@@ -320,6 +336,7 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
         w_ob = w_oa
         if CB_O > 0:
             w_ob = _tile(o, pid, H, HO, CN_RES, BN_RES, CA_O * KC, CB_O, KC)
+        _prefetch(gu, pid, FF, H, CN_UP, BN_UP, PREFETCH)
         _wait(bar, target, timeouts, stamps_ptr, pid, mark + 2, SPIN_LIMIT, ACQUIRE_POLL, MARKS)
         # attn
         item = pid
@@ -332,6 +349,7 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
         _arrive(bar + 1, stamps_ptr, pid, mark + 3, MARKS)
         g0 = _tile(gu, pid, FF, H, CN_UP, BN_UP // 2, 0, C_H, KC, 0)
         g1 = _tile(gu, pid, FF, H, CN_UP, BN_UP // 2, 0, C_H, KC, BN_UP // 2)
+        _prefetch(gu + FF * H, pid, FF, H, CN_UP, BN_UP, PREFETCH)
         _wait(bar + 1, target, timeouts, stamps_ptr, pid, mark + 4, SPIN_LIMIT, ACQUIRE_POLL, MARKS)
         # o
         _residual(attn_ptr, w_oa, w_ob, o, residual, h_ptr, pid, programs, ROWS, H, HO, CN_RES, BN_RES, CA_O, CB_O,
@@ -339,6 +357,7 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
         _arrive(bar + 2, stamps_ptr, pid, mark + 5, MARKS)
         u0 = _tile(gu + FF * H, pid, FF, H, CN_UP, BN_UP // 2, 0, C_H, KC, 0)
         u1 = _tile(gu + FF * H, pid, FF, H, CN_UP, BN_UP // 2, 0, C_H, KC, BN_UP // 2)
+        _prefetch(down, pid, H, FF, CN_RES, BN_RES, PREFETCH)
         _wait(bar + 2, target, timeouts, stamps_ptr, pid, mark + 6, SPIN_LIMIT, ACQUIRE_POLL, MARKS)
         # up
         _swiglu(h_ptr, w_post_ptr + layer * H, g0, g1, u0, u1, gu, act_ptr, pid, programs, eps, ROWS, FF, H, CN_UP,
@@ -348,6 +367,10 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
         w_db = w_da
         if CB_FF > 0:
             w_db = _tile(down, pid, H, FF, CN_RES, BN_RES, CA_FF * KC, CB_FF, KC)
+        if layer + 1 < L:
+            _prefetch(w_qkv_ptr + (wl + 1 if LAYER_WEIGHTS else 0) * NQKV * H, pid, NQKV, H, CN_QKV, BN_QKV, PREFETCH)
+        else:
+            _prefetch(w_head_ptr, pid, V, H, CN_HEAD, BN_HEAD, PREFETCH)
         _wait(bar + 3, target, timeouts, stamps_ptr, pid, mark + 8, SPIN_LIMIT, ACQUIRE_POLL, MARKS)
         # down
         _residual(act_ptr, w_da, w_db, down, h_ptr, h_ptr, pid, programs, ROWS, H, FF, CN_RES, BN_RES, CA_FF, CB_FF,
@@ -356,6 +379,7 @@ def _cp_stream_kernel(x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, bar_ptr
         if layer + 1 < L:
             w_qkv = _tile(w_qkv_ptr + (wl + 1 if LAYER_WEIGHTS else 0) * NQKV * H, pid, NQKV, H, CN_QKV, BN_QKV, 0,
                           C_H, KC)
+            _prefetch(w_o_ptr + (wl + 1 if LAYER_WEIGHTS else 0) * H * HO, pid, H, HO, CN_RES, BN_RES, PREFETCH)
         else:
             w_head = _tile(w_head_ptr, pid, V, H, CN_HEAD, BN_HEAD, 0, C_H, KC)
         _wait(bar + 4, target, timeouts, stamps_ptr, pid, mark + 10, SPIN_LIMIT, ACQUIRE_POLL, MARKS)
@@ -391,13 +415,14 @@ def stream_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor,
                    slots: Tensor, positions: Tensor, final_norm: Tensor, head: Tensor, counters: Tensor | None = None,
                    programs: int | None = None, barrier_target: int | None = None,
                    spin_limit: int = SPIN_LIMIT, acquire_poll: bool = False, stamps: Tensor | None = None,
-                   layer_weights: bool = True) -> Tensor:
+                   layer_weights: bool = True, l2_prefetch: bool = True) -> Tensor:
     """One forward of the decoder stack and its head, as cp_forward (same arguments; counters: one row of
     cp_forward.barrier_counters, None: allocated here): the logits [B, V] of each row's last token. Probes only:
     acquire_poll, every barrier poll an acquire (_wait); stamps, an int64 [programs, stamp_marks(L), 2] that gets
     each program's timer and clock at each step's start and end (_stamp; GPU only: the interpreter has no inline
     assembly); layer_weights False, every layer multiplies by layer 0's weights (wrong logits; its timing says what
-    the forward costs with weights that stay in L2)."""
+    the forward costs with weights that stay in L2); l2_prefetch False, no L2 hints (_prefetch; the interpreter has
+    none either: they are inline assembly)."""
     weights = stacked_layers(stack)
     cfg = stack.cfg
     B, T, H = x.shape
@@ -450,6 +475,7 @@ def stream_forward(stack: nn.Module, x: Tensor, cos: Tensor, sin_signed: Tensor,
         KC=chunk, C_H=triton.next_power_of_2(triton.cdiv(H, chunk)), CA_O=o_parts[0], CB_O=o_parts[1],
         CA_FF=ff_parts[0], CB_FF=ff_parts[1], ONE_TILE=all(triton.cdiv(n, per[k]) <= programs for k, n in cut.items()),
         SPIN_LIMIT=spin_limit, ACQUIRE_POLL=acquire_poll, IEEE=dtype == torch.float32, num_warps=warps,
-        MARKS=0 if stamps is None else stamp_marks(L), LAYER_WEIGHTS=layer_weights, num_stages=1,
+        MARKS=0 if stamps is None else stamp_marks(L), LAYER_WEIGHTS=layer_weights,
+        PREFETCH=l2_prefetch and dev.type == "cuda", num_stages=1,
         **launch_options(dev))
     return out

@@ -13,9 +13,9 @@ later forward, the cache filled to position 15):
 4. a launch of 25 grid barriers and nothing else, on the same grid;
 5. the stack's weight bytes over the whole forward's time: the bandwidth it reached (the H200's is about 4.8 TB/s);
 6. for batches of at most engine.kernels.cp_stream.STREAM_ROWS rows, the streamed forward (VOICELANE_CP_FORWARD=
-   streamed; its barriers' polls relaxed, then every poll an acquire; 8 and 32 warps; every layer on layer 0's
-   weights, which stay in L2) and the layer-by-layer path (the model's own, with this process's kernel switches),
-   whole forwards;
+   streamed; its barriers' polls relaxed, then every poll an acquire; 16 warps; without its L2 hints; every layer
+   on layer 0's weights, which stay in L2) and the layer-by-layer path (the model's own, with this process's kernel
+   switches), whole forwards;
 7. with --stamps N, the streamed forward's timeline over N launches (timeline(): per step kind, how long a program
    works between its barriers, how long it waits at them, how far apart the programs arrive, and how long the last
    arrival takes to release the first waiter).
@@ -183,11 +183,11 @@ def probe(loaded, batches: list[int], shapes: list[str], device: str = "cuda", b
             stream_counters = cf.barrier_counters(1, L, device)[0]
 
             def streamed(args=args, stream_counters=stream_counters, acquire_poll=False, layer_weights=True,
-                         stamps=None):
+                         stamps=None, l2_prefetch=True):
                 stream_counters.zero_()
                 with torch.inference_mode():
                     stream_forward(*args, stream_counters, programs=programs, acquire_poll=acquire_poll,
-                                   layer_weights=layer_weights, stamps=stamps)
+                                   layer_weights=layer_weights, stamps=stamps, l2_prefetch=l2_prefetch)
 
             def layers(args=args):
                 with torch.inference_mode():
@@ -195,8 +195,8 @@ def probe(loaded, batches: list[int], shapes: list[str], device: str = "cuda", b
 
             row["streamed_ms"] = bench(streamed)
             row["streamed_acquire_poll_ms"] = bench(lambda: streamed(acquire_poll=True))
-            row["streamed_warps8_ms"] = _with_env(WARPS_ENV, "8", lambda: bench(streamed))
-            row["streamed_warps32_ms"] = _with_env(WARPS_ENV, "32", lambda: bench(streamed))
+            row["streamed_warps16_ms"] = _with_env(WARPS_ENV, "16", lambda: bench(streamed))
+            row["streamed_no_prefetch_ms"] = bench(lambda: streamed(l2_prefetch=False))
             row["streamed_l2_weights_ms"] = bench(lambda: streamed(layer_weights=False))
             row["layers_ms"] = bench(layers)
             row["stream_timeouts"] = int(stream_counters[-1])
@@ -244,8 +244,8 @@ def print_tables(record: dict, layers: int) -> None:
                   f"{row['streamed_acquire_poll_ms'] * 1e3:.1f} us (timeouts {row['stream_timeouts']}; logits "
                   f"{row['stream_vs_layers']:.1e} from the layer path's); layer by layer "
                   f"{row['layers_ms'] * 1e3:.1f} us")
-            print(f"  streamed with 8 warps {row['streamed_warps8_ms'] * 1e3:.1f} us, 32 warps "
-                  f"{row['streamed_warps32_ms'] * 1e3:.1f} us; every layer on layer 0's weights (in L2) "
+            print(f"  streamed with 16 warps {row['streamed_warps16_ms'] * 1e3:.1f} us, without L2 hints "
+                  f"{row['streamed_no_prefetch_ms'] * 1e3:.1f} us; every layer on layer 0's weights (in L2) "
                   f"{row['streamed_l2_weights_ms'] * 1e3:.1f} us")
         if "timeline" in row:
             t = row["timeline"]
