@@ -16,6 +16,9 @@ pytest.importorskip("triton")
 if os.environ["TRITON_INTERPRET"] != "1":
     pytest.skip("the kernel tests need TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from engine import kernels  # noqa: E402
 from engine.kernels import cp_forward as cf  # noqa: E402
 from engine.kernels import cp_stream as cs  # noqa: E402
@@ -197,3 +200,29 @@ def test_k_comes_in_at_most_two_parts_of_a_power_of_two_chunks():
     assert cs.chunks(3072, 256) == (8, 4)  # the real down projection: 12 chunks
     assert cs.chunks(96, 32) == (2, 1) and cs.chunks(48, 64) == (1, 0)
     assert cs.chunks(5 * 32, 32) == (4, 1) and cs.chunks(7 * 32, 32) == (4, 4)  # the rest rounded up, masked
+
+
+@triton.jit
+def _lines_probe(w_ptr, out_ptr, tile, N: tl.constexpr, K: tl.constexpr, CN: tl.constexpr, BN: tl.constexpr,
+                 LINES: tl.constexpr):
+    """What lies at each of cp_stream._lines' addresses (w holds its own flat index)."""
+    at = cs._lines(w_ptr, tile, N, K, CN, BN)
+    tl.store(out_ptr + tl.arange(0, BN)[:, None] * LINES + tl.arange(0, LINES)[None, :], tl.load(at).to(tl.int32))
+
+
+@pytest.mark.parametrize("tile", [0, 5, 127, 128, 131])
+def test_l2_hints_cover_the_tiles_lines_and_stay_inside_the_weights(tile):
+    """_prefetch's addresses (cp_stream._lines) for the real o projection's cut (1024 rows of 2048, 8 rows a tile,
+    132 programs: tiles 128 to 131 have no rows), fp32 weights (32 a 128-byte line) that hold their own index:
+    one address in each line of the tile's rows, none outside w."""
+    N, K, CN, BN = 1024, 2048, 8, 16
+    lines = K * 4 // 128
+    w = torch.arange(N * K, dtype=torch.float32).reshape(N, K)
+    out = torch.full((BN, lines), -1, dtype=torch.int32)
+    _lines_probe[(1,)](w, out, tile, N=N, K=K, CN=CN, BN=BN, LINES=lines)
+    hit = {(int(v) // K, int(v) % K // 32) for v in out.flatten()}  # (row, line)
+    assert all(0 <= int(v) < N * K for v in out.flatten())
+    if tile * CN < N:
+        assert hit == {(n, k) for n in range(tile * CN, tile * CN + CN) for k in range(lines)}
+    else:
+        assert {n for n, _ in hit} == {N - 1}

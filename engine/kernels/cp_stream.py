@@ -132,14 +132,20 @@ def _prefetch(w_ptr, tile, N: tl.constexpr, K: tl.constexpr, CN: tl.constexpr, B
               PREFETCH: tl.constexpr):
     """PREFETCH: bring this program's tile of w [N, K] (rows tile * CN .., all of K) into L2, one hint a 128-byte
     line, no registers: the weighted step after the one whose tile is read into registers at the same barrier, so
-    that read finds its tile in L2 (the probe's weights-in-L2 forward is the bound). A hint past the tile's last row
-    points at the tile's first (no address outside w)."""
+    that read finds its tile in L2 (the probe's weights-in-L2 forward is the bound). Every hint points inside w: a row
+    past the tile's last is its first, a tile past the last is w's last row."""
     if PREFETCH:
-        LINE: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth * 8
-        r = tl.arange(0, BN)[:, None]
-        n = tl.where((r < CN) & (tile * CN + r < N), tile * CN + r, tile * CN)
-        k = tl.arange(0, triton.next_power_of_2((K + LINE - 1) // LINE))[None, :] * LINE
-        prefetch_l2(w_ptr + n.to(tl.int64) * K + tl.minimum(k, K - 1))
+        prefetch_l2(_lines(w_ptr, tile, N, K, CN, BN))
+
+
+@triton.jit
+def _lines(w_ptr, tile, N: tl.constexpr, K: tl.constexpr, CN: tl.constexpr, BN: tl.constexpr):
+    """_prefetch's addresses: one in each 128-byte line of the tile's rows, [BN, lines]."""
+    LINE: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth * 8
+    r = tl.arange(0, BN)[:, None]
+    n = tl.minimum(tl.where((r < CN) & (tile * CN + r < N), tile * CN + r, tile * CN), N - 1)
+    k = tl.arange(0, triton.next_power_of_2((K + LINE - 1) // LINE))[None, :] * LINE
+    return w_ptr + n.to(tl.int64) * K + tl.minimum(k, K - 1)
 
 
 @triton.jit
