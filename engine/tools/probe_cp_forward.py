@@ -30,6 +30,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -70,18 +71,6 @@ def _bench_ms(fn) -> float:
     fn()  # compile and warm outside the graph
     torch.cuda.synchronize()
     return float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
-
-
-def _with_env(name: str, value: str, fn):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return fn()
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def timeline(stamps: np.ndarray, layers: int) -> dict:
@@ -195,7 +184,8 @@ def probe(loaded, batches: list[int], shapes: list[str], device: str = "cuda", b
 
             row["streamed_ms"] = bench(streamed)
             row["streamed_acquire_poll_ms"] = bench(lambda: streamed(acquire_poll=True))
-            row["streamed_warps16_ms"] = _with_env(WARPS_ENV, "16", lambda: bench(streamed))
+            with mock.patch.dict(os.environ, {WARPS_ENV: "16"}):
+                row["streamed_warps16_ms"] = bench(streamed)
             row["streamed_no_prefetch_ms"] = bench(lambda: streamed(l2_prefetch=False))
             row["streamed_l2_weights_ms"] = bench(lambda: streamed(layer_weights=False))
             row["layers_ms"] = bench(layers)
